@@ -1,0 +1,234 @@
+// CPU backward, FlashAttention-2 algebra in two passes so every output element
+// has exactly one writer (deterministic, no atomics):
+//
+//   P  = exp(logits - lse)          recomputed tile by tile from q, k and lse
+//   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse
+//   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
+//
+// Pass A runs K/V tiles outer and owns dK, dV; it loops, inside one task, over
+// the instance axes dK/dV do not vary along (the query heads of a GQA group, an
+// axis K/V are shared over). Pass B runs Q tiles outer and owns dQ and dbias; it
+// loops inside one task over the axes dbias is broadcast along (and over all Q
+// tiles when the bias has a single row), so those sums need no atomics either.
+// Pass B recomputes P and dP; on a CPU that costs less than a T×S buffer.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cuda/cpu/kernels.h"
+#include "cuda/cpu/tiles.h"
+
+namespace jaxflash::cpu {
+namespace {
+
+// One Q tile's inputs to the gradient: q (pre-scaled by scale·log2e), dO, and per
+// row lse in base 2 and Δ.
+struct QTile {
+  std::vector<float> q, d_o, lse2, delta;
+  int64_t rows = 0;
+  explicit QTile(int64_t H) : q(kBlockQ * H), d_o(kBlockQ * H), lse2(kBlockQ), delta(kBlockQ) {}
+};
+
+template <class T>
+void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t rows, QTile& tile) {
+  const int64_t H = p.head_dim;
+  tile.rows = rows;
+  load_tile(element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride), p.q.row_stride,
+            p.q.col_stride, rows, H, p.scale * kLog2e, tile.q.data(), H);
+  const T* d_o = element<T>(p.d_o, instance_offset(p, p.d_o, inst) + t0 * p.d_o.row_stride);
+  const T* o = element<T>(p.o, instance_offset(p, p.o, inst) + t0 * p.o.row_stride);
+  load_tile(d_o, p.d_o.row_stride, p.d_o.col_stride, rows, H, 1.f, tile.d_o.data(), H);
+  const float* lse = element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
+  const float* dlse =
+      p.has(kHasDlse) ? element<float>(p.dlse, instance_offset(p, p.dlse, inst) + t0 * p.dlse.row_stride)
+                      : nullptr;
+  for (int64_t i = 0; i < rows; ++i) {
+    tile.lse2[i] = lse[i * p.lse.row_stride] * kLog2e;
+    float delta = 0.f;
+    const float* dor = tile.d_o.data() + i * H;
+    for (int64_t d = 0; d < H; ++d) delta += dor[d] * to_float(o[i * p.o.row_stride + d * p.o.col_stride]);
+    tile.delta[i] = delta - (dlse ? dlse[i * p.dlse.row_stride] : 0.f);
+  }
+}
+
+// From a Q tile and a K/V tile (kt, vt transposed): s ← P, dp ← dS.
+template <class BiasT>
+void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& bounds,
+                               const LogitsInputs<BiasT>& logits_in, const QTile& tile, int64_t t0,
+                               int64_t s0, int64_t cols, const float* kt, const float* vt,
+                               float* s, float* dp) {
+  const int64_t H = p.head_dim;
+  matmul(tile.q.data(), H, kt, kBlockK, tile.rows, cols, H, s, kBlockK);
+  finish_logits(p, bounds, logits_in, t0, tile.rows, s0, cols, s, kBlockK);
+  matmul(tile.d_o.data(), H, vt, kBlockK, tile.rows, cols, H, dp, kBlockK);
+  for (int64_t i = 0; i < tile.rows; ++i) {
+    float* si = s + i * kBlockK;
+    float* dpi = dp + i * kBlockK;
+    const float lse2 = tile.lse2[i];
+    for (int64_t j = 0; j < cols; ++j) {
+      // lse = -inf marks a row with no visible key: all its P are 0.
+      const float prob = (si[j] == kNegInf || lse2 == kNegInf) ? 0.f : std::exp2(si[j] - lse2);
+      si[j] = prob;
+      dpi[j] = prob * (dpi[j] - tile.delta[i]);
+    }
+  }
+}
+
+// The instance axes (bits) along which an output is shared: stride 0, size > 1.
+uint32_t broadcast_axes(const AttentionParams& p, const ArrayView& out) {
+  uint32_t bits = 0;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (p.inst_size[d] > 1 && out.inst_stride[d] == 0) bits |= 1u << d;
+  return bits;
+}
+
+// Pass A: dK, dV for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
+template <class T, class BiasT>
+void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept, int64_t s0) {
+  const int64_t H = p.head_dim;
+  const int64_t cols = std::min(kBlockK, p.seqlen_k - s0);
+  std::vector<float> kt(H * kBlockK), vt(H * kBlockK), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
+  std::vector<float> dk(kBlockK * H, 0.f), dv(kBlockK * H, 0.f);
+  QTile tile(H);
+
+  const int64_t reduced_count = split.count(true);
+  for (int64_t r = 0; r < reduced_count; ++r) {
+    const int64_t inst = split.compose(kept, r);
+    const InstanceBounds bounds = instance_bounds(p, inst);
+    const int64_t live_cols = std::clamp<int64_t>(bounds.kv_len - s0, 0, cols);
+    const KeyRange queries = visible_queries(p, bounds, s0, s0 + live_cols);
+    if (live_cols == 0 || queries.lo >= queries.hi) continue;
+
+    load_tile_transposed(element<T>(p.k, instance_offset(p, p.k, inst) + s0 * p.k.row_stride),
+                         p.k.row_stride, p.k.col_stride, live_cols, H, kt.data(), kBlockK);
+    load_tile_transposed(element<T>(p.v, instance_offset(p, p.v, inst) + s0 * p.v.row_stride),
+                         p.v.row_stride, p.v.col_stride, live_cols, H, vt.data(), kBlockK);
+    const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+
+    for (int64_t t0 = queries.lo; t0 < queries.hi; t0 += kBlockQ) {
+      load_q_tile<T>(p, inst, t0, std::min(kBlockQ, queries.hi - t0), tile);
+      probabilities_and_dscores(p, bounds, logits_in, tile, t0, s0, live_cols, kt.data(), vt.data(),
+                                s.data(), dp.data());
+      matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), H, tile.rows, H, live_cols, dv.data(), H);
+      matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), H, tile.rows, H, live_cols, dk.data(), H);
+    }
+  }
+  // kept's own instance has index 0 on the reduced axes, where dk/dv strides are 0.
+  const int64_t inst = split.compose(kept, 0);
+  // q was pre-scaled by scale·log2e; dK wants scale alone.
+  store_tile(dk.data(), H, cols, H, kLn2,
+             mutable_element<T>(p.dk, instance_offset(p, p.dk, inst) + s0 * p.dk.row_stride),
+             p.dk.row_stride, p.dk.col_stride);
+  store_tile(dv.data(), H, cols, H, 1.f,
+             mutable_element<T>(p.dv, instance_offset(p, p.dv, inst) + s0 * p.dv.row_stride),
+             p.dv.row_stride, p.dv.col_stride);
+}
+
+// Pass B: dQ for the Q tiles of one task, and their share of dbias.
+template <class T, class BiasT>
+void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept,
+                          int64_t first_t0, int64_t last_t0) {
+  const int64_t H = p.head_dim, S = p.seqlen_k;
+  const bool want_dbias = p.has(kHasDbias);
+  // A bias with one row (or one column) gets the sum of dS over rows (columns).
+  const bool dbias_one_row = p.seqlen_q > 1 && p.dbias.row_stride == 0;
+  const bool dbias_one_col = S > 1 && p.dbias.col_stride == 0;
+  const int64_t dbias_rows = dbias_one_row ? 1 : kBlockQ;
+  const int64_t dbias_cols = dbias_one_col ? 1 : S;
+  std::vector<float> dbias(want_dbias ? dbias_rows * dbias_cols : 0, 0.f);
+
+  std::vector<float> kt(H * kBlockK), vt(H * kBlockK), k(kBlockK * H);
+  std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * H);
+  QTile tile(H);
+
+  const int64_t reduced_count = split.count(true);
+  for (int64_t r = 0; r < reduced_count; ++r) {
+    const int64_t inst = split.compose(kept, r);
+    const InstanceBounds bounds = instance_bounds(p, inst);
+    const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+    const T* k_base = element<T>(p.k, instance_offset(p, p.k, inst));
+    const T* v_base = element<T>(p.v, instance_offset(p, p.v, inst));
+
+    for (int64_t t0 = first_t0; t0 <= last_t0; t0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, p.seqlen_q - t0);
+      const int64_t live_rows = std::clamp<int64_t>(bounds.q_len - t0, 0, rows);
+      const KeyRange keys = visible_keys(p, bounds, t0, t0 + rows);
+      std::fill(dq.begin(), dq.end(), 0.f);
+      if (live_rows > 0 && keys.lo < keys.hi) {
+        load_q_tile<T>(p, inst, t0, live_rows, tile);
+        for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
+          const int64_t cols = std::min(kBlockK, keys.hi - s0);
+          load_tile_transposed(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
+                               kt.data(), kBlockK);
+          load_tile(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H, 1.f, k.data(), H);
+          load_tile_transposed(v_base + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H,
+                               vt.data(), kBlockK);
+          probabilities_and_dscores(p, bounds, logits_in, tile, t0, s0, cols, kt.data(), vt.data(),
+                                    s.data(), ds.data());
+          matmul_acc(ds.data(), kBlockK, k.data(), H, live_rows, H, cols, dq.data(), H);
+          if (!want_dbias) continue;
+          for (int64_t i = 0; i < live_rows; ++i) {
+            float* row = dbias.data() + (dbias_one_row ? 0 : i) * dbias_cols;
+            const float* dsi = ds.data() + i * kBlockK;
+            for (int64_t j = 0; j < cols; ++j) row[dbias_one_col ? 0 : s0 + j] += dsi[j];
+          }
+        }
+      }
+      store_tile(dq.data(), H, rows, H, p.scale,
+                 mutable_element<T>(p.dq, instance_offset(p, p.dq, inst) + t0 * p.dq.row_stride),
+                 p.dq.row_stride, p.dq.col_stride);
+    }
+  }
+  if (!want_dbias) return;
+  const int64_t inst = split.compose(kept, 0);
+  const int64_t out_rows = dbias_one_row ? 1 : std::min(kBlockQ, p.seqlen_q - first_t0);
+  BiasT* out = mutable_element<BiasT>(p.dbias, instance_offset(p, p.dbias, inst) +
+                                                  (dbias_one_row ? 0 : first_t0) * p.dbias.row_stride);
+  store_tile(dbias.data(), dbias_cols, out_rows, dbias_cols, 1.f, out, p.dbias.row_stride,
+             p.dbias.col_stride);
+}
+
+template <class T, class BiasT>
+void backward_typed(const AttentionParams& p, const ParallelFor& parallel_for) {
+  const InstanceSplit kv_split{&p, broadcast_axes(p, p.dk)};
+  const int64_t k_tiles = ceil_div(p.seqlen_k, kBlockK);
+  parallel_for(kv_split.count(false) * k_tiles, [&](int64_t task) {
+    key_tile_gradients<T, BiasT>(p, kv_split, task / k_tiles, (task % k_tiles) * kBlockK);
+  });
+
+  const bool want_dbias = p.has(kHasDbias);
+  const InstanceSplit q_split{&p, want_dbias ? broadcast_axes(p, p.dbias) : 0u};
+  const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
+  const int64_t last_t0 = (q_tiles - 1) * kBlockQ;
+  if (want_dbias && p.seqlen_q > 1 && p.dbias.row_stride == 0) {
+    // A one-row dbias sums over every Q tile: one task walks them all.
+    parallel_for(q_split.count(false), [&](int64_t task) {
+      query_tile_gradients<T, BiasT>(p, q_split, task, 0, last_t0);
+    });
+  } else {
+    parallel_for(q_split.count(false) * q_tiles, [&](int64_t task) {
+      const int64_t t0 = (task % q_tiles) * kBlockQ;
+      query_tile_gradients<T, BiasT>(p, q_split, task / q_tiles, t0, t0);
+    });
+  }
+}
+
+template <class T>
+void backward_bias_dispatch(const AttentionParams& p, const ParallelFor& parallel_for) {
+  if (p.bias_dtype == DType::kF32)
+    backward_typed<T, float>(p, parallel_for);
+  else
+    backward_typed<T, T>(p, parallel_for);
+}
+
+}  // namespace
+
+void backward(const AttentionParams& p, const ParallelFor& parallel_for) {
+  switch (p.dtype) {
+    case DType::kF32: return backward_typed<float, float>(p, parallel_for);
+    case DType::kF16: return backward_bias_dispatch<f16>(p, parallel_for);
+    case DType::kBF16: return backward_bias_dispatch<bf16>(p, parallel_for);
+  }
+}
+
+}  // namespace jaxflash::cpu

@@ -1,0 +1,111 @@
+// CPU forward: FlashAttention-2 order. One task per (instance, Q tile); the
+// K/V tiles stream through an online softmax with float32 running max, sum and
+// output, normalised once at the end. Extra memory is a few tiles per task.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cuda/cpu/kernels.h"
+#include "cuda/cpu/tiles.h"
+
+namespace jaxflash::cpu {
+namespace {
+
+template <class T, class BiasT>
+void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
+  const int64_t H = p.head_dim;
+  const InstanceBounds bounds = instance_bounds(p, inst);
+  const int64_t rows = std::min(kBlockQ, p.seqlen_q - t0);
+
+  T* o = mutable_element<T>(p.o, instance_offset(p, p.o, inst) + t0 * p.o.row_stride);
+  float* lse = mutable_element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
+
+  const KeyRange keys = visible_keys(p, bounds, t0, t0 + rows);
+  // Rows past q_len are padding; they and rows that see no key output 0.
+  const int64_t live_rows = std::clamp<int64_t>(bounds.q_len - t0, 0, rows);
+  if (keys.lo >= keys.hi || live_rows == 0) {
+    store_zero_rows(rows, H, o, p.o.row_stride, p.o.col_stride);
+    for (int64_t i = 0; i < rows; ++i) lse[i * p.lse.row_stride] = kNegInf;
+    return;
+  }
+
+  std::vector<float> q_tile(kBlockQ * H), kt_tile(H * kBlockK), v_tile(kBlockK * H);
+  std::vector<float> s_tile(kBlockQ * kBlockK), acc(kBlockQ * H, 0.f);
+  std::vector<float> row_max(kBlockQ, kNegInf), row_sum(kBlockQ, 0.f);
+
+  const T* q = element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride);
+  const T* k = element<T>(p.k, instance_offset(p, p.k, inst));
+  const T* v = element<T>(p.v, instance_offset(p, p.v, inst));
+  const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+
+  // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
+  load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), H);
+
+  for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, keys.hi - s0);
+    load_tile_transposed(k + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
+                         kt_tile.data(), kBlockK);
+    load_tile(v + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H, 1.f, v_tile.data(), H);
+
+    matmul(q_tile.data(), H, kt_tile.data(), kBlockK, live_rows, cols, H, s_tile.data(), kBlockK);
+    finish_logits(p, bounds, logits_in, t0, live_rows, s0, cols, s_tile.data(), kBlockK);
+
+    // Online softmax update, row by row.
+    for (int64_t i = 0; i < live_rows; ++i) {
+      float* s = s_tile.data() + i * kBlockK;
+      float tile_max = kNegInf;
+      for (int64_t j = 0; j < cols; ++j) tile_max = std::max(tile_max, s[j]);
+      const float new_max = std::max(row_max[i], tile_max);
+      if (new_max == kNegInf) {  // nothing visible yet: keep P = 0, avoid (-inf) - (-inf)
+        std::fill(s, s + cols, 0.f);
+        continue;
+      }
+      const float correction = std::exp2(row_max[i] - new_max);  // 0 when row_max was -inf
+      float sum = 0.f;
+      for (int64_t j = 0; j < cols; ++j) {
+        s[j] = std::exp2(s[j] - new_max);
+        sum += s[j];
+      }
+      row_sum[i] = row_sum[i] * correction + sum;
+      row_max[i] = new_max;
+      float* a = acc.data() + i * H;
+      for (int64_t d = 0; d < H; ++d) a[d] *= correction;
+    }
+    matmul_acc(s_tile.data(), kBlockK, v_tile.data(), H, live_rows, H, cols, acc.data(), H);
+  }
+
+  for (int64_t i = 0; i < rows; ++i) {
+    const bool empty = i >= live_rows || row_sum[i] == 0.f;
+    const float inv = empty ? 0.f : 1.f / row_sum[i];
+    store_tile(acc.data() + i * H, H, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
+    lse[i * p.lse.row_stride] = empty ? kNegInf : (row_max[i] + std::log2(row_sum[i])) * kLn2;
+  }
+}
+
+template <class T, class BiasT>
+void forward_typed(const AttentionParams& p, const ParallelFor& parallel_for) {
+  const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
+  parallel_for(p.num_instances() * q_tiles, [&](int64_t task) {
+    forward_tile<T, BiasT>(p, task / q_tiles, (task % q_tiles) * kBlockQ);
+  });
+}
+
+template <class T>
+void forward_bias_dispatch(const AttentionParams& p, const ParallelFor& parallel_for) {
+  if (p.bias_dtype == DType::kF32)
+    forward_typed<T, float>(p, parallel_for);
+  else
+    forward_typed<T, T>(p, parallel_for);
+}
+
+}  // namespace
+
+void forward(const AttentionParams& p, const ParallelFor& parallel_for) {
+  switch (p.dtype) {
+    case DType::kF32: return forward_typed<float, float>(p, parallel_for);
+    case DType::kF16: return forward_bias_dispatch<f16>(p, parallel_for);
+    case DType::kBF16: return forward_bias_dispatch<bf16>(p, parallel_for);
+  }
+}
+
+}  // namespace jaxflash::cpu

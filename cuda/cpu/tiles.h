@@ -1,0 +1,198 @@
+// Tile primitives of the CPU kernels: strided loads into dense float32 tiles,
+// the three small matrix products attention needs, and the logits epilogue
+// (bias, masking). The forward and backward kernels are written in these terms
+// so that they read like the algorithm.
+//
+// Every product keeps its innermost loop over a contiguous, unit-stride row of
+// the destination (an axpy), which the compiler vectorises without reassociating
+// float sums; that is why K is loaded transposed for Q·Kᵀ.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cuda/cpu/numeric.h"
+#include "cuda/params.h"
+
+namespace jaxflash::cpu {
+
+// Rows of Q and keys of K/V per tile: 64 x 64 float tiles keep one task's
+// working set (Q, K, V, O tiles at head dim 256 plus the 64 x 64 logits) in L2.
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 64;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <class T>
+inline const T* element(const ArrayView& a, int64_t offset) {
+  return static_cast<const T*>(a.data) + offset;
+}
+template <class T>
+inline T* mutable_element(const ArrayView& a, int64_t offset) {
+  return static_cast<T*>(a.data) + offset;
+}
+
+// dst[i * ld + d] = scale * src[i * row_stride + d * col_stride], rows x cols.
+template <class T>
+void load_tile(const T* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+               float scale, float* dst, int64_t ld) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = src + i * row_stride;
+    float* out = dst + i * ld;
+    for (int64_t d = 0; d < cols; ++d) out[d] = scale * to_float(row[d * col_stride]);
+  }
+}
+
+// dst[d * ld + i] = src[i * row_stride + d * col_stride]: the transposed tile.
+template <class T>
+void load_tile_transposed(const T* src, int64_t row_stride, int64_t col_stride, int64_t rows,
+                          int64_t cols, float* dst, int64_t ld) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = src + i * row_stride;
+    for (int64_t d = 0; d < cols; ++d) dst[d * ld + i] = to_float(row[d * col_stride]);
+  }
+}
+
+// dst[i * row_stride + d * col_stride] = scale * src[i * ld + d].
+template <class T>
+void store_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float scale, T* dst,
+                int64_t row_stride, int64_t col_stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* in = src + i * ld;
+    T* row = dst + i * row_stride;
+    for (int64_t d = 0; d < cols; ++d) row[d * col_stride] = from_float<T>(scale * in[d]);
+  }
+}
+
+template <class T>
+void store_zero_rows(int64_t rows, int64_t cols, T* dst, int64_t row_stride, int64_t col_stride) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < cols; ++d) dst[i * row_stride + d * col_stride] = from_float<T>(0.f);
+}
+
+// C[m x n] = A[m x k] · Bt[k x n]  (Bt is B transposed, row-major, leading dim ldb).
+inline void matmul(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t m, int64_t n,
+                   int64_t k, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* ci = c + i * ldc;
+    std::fill(ci, ci + n, 0.f);
+    const float* ai = a + i * lda;
+    for (int64_t d = 0; d < k; ++d) {
+      const float aid = ai[d];
+      const float* bd = bt + d * ldb;
+      for (int64_t j = 0; j < n; ++j) ci[j] += aid * bd[j];
+    }
+  }
+}
+
+// C[m x n] += A[m x k] · B[k x n].
+inline void matmul_acc(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
+                       int64_t n, int64_t k, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* ci = c + i * ldc;
+    const float* ai = a + i * lda;
+    for (int64_t j = 0; j < k; ++j) {
+      const float aij = ai[j];
+      if (aij == 0.f) continue;  // masked probabilities are exact zeros
+      const float* bj = b + j * ldb;
+      for (int64_t d = 0; d < n; ++d) ci[d] += aij * bj[d];
+    }
+  }
+}
+
+// C[k x n] += Aᵀ · B for A[m x k], B[m x n]  (dV += Pᵀ·dO, dK += dSᵀ·Q).
+inline void matmul_tn_acc(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
+                          int64_t n, int64_t k, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* ai = a + i * lda;
+    const float* bi = b + i * ldb;
+    for (int64_t j = 0; j < k; ++j) {
+      const float aij = ai[j];
+      if (aij == 0.f) continue;
+      float* cj = c + j * ldc;
+      for (int64_t d = 0; d < n; ++d) cj[d] += aij * bi[d];
+    }
+  }
+}
+
+// The per-instance operand bases the logits epilogue reads.
+template <class BiasT>
+struct LogitsInputs {
+  const BiasT* bias = nullptr;   // instance base, or null
+  const uint8_t* mask = nullptr; // instance base, or null
+};
+
+template <class BiasT>
+LogitsInputs<BiasT> logits_inputs(const AttentionParams& p, int64_t inst) {
+  LogitsInputs<BiasT> in;
+  if (p.has(kHasBias)) in.bias = element<BiasT>(p.bias, instance_offset(p, p.bias, inst));
+  if (p.has(kHasMask)) in.mask = element<uint8_t>(p.mask, instance_offset(p, p.mask, inst));
+  return in;
+}
+
+// Turns S = (scale·log2e)·Q·Kᵀ for rows [t0, t0+rows) and keys [s0, s0+cols)
+// into base-2 logits: adds log2e·bias and sets invisible entries to -inf.
+template <class BiasT>
+void finish_logits(const AttentionParams& p, const InstanceBounds& b, const LogitsInputs<BiasT>& in,
+                   int64_t t0, int64_t rows, int64_t s0, int64_t cols, float* s, int64_t ld) {
+  if (in.bias) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const BiasT* row = in.bias + (t0 + i) * p.bias.row_stride + s0 * p.bias.col_stride;
+      for (int64_t j = 0; j < cols; ++j) s[i * ld + j] += kLog2e * to_float(row[j * p.bias.col_stride]);
+    }
+  }
+  // Tiles wholly inside the window and the lengths need no element test.
+  const bool rows_in = t0 + rows <= b.q_len;
+  const bool cols_in = s0 + cols <= b.kv_len;
+  const int64_t d_min = s0 - (t0 + rows - 1) - b.offset;
+  const int64_t d_max = (s0 + cols - 1) - t0 - b.offset;
+  const bool window_in = (p.window_left == kUnbounded || d_min >= -p.window_left) &&
+                         (p.window_right == kUnbounded || d_max <= p.window_right);
+  if (rows_in && cols_in && window_in && !in.mask) return;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = t0 + i;
+    const uint8_t* mrow = in.mask ? in.mask + t * p.mask.row_stride : nullptr;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t key = s0 + j;
+      const bool visible = position_visible(p, b, t, key) && (!mrow || mrow[key * p.mask.col_stride]);
+      if (!visible) s[i * ld + j] = kNegInf;
+    }
+  }
+}
+
+// Instance-space bookkeeping for the passes that reduce over some instance axes
+// (the K/V-outer backward reduces over the query heads of a GQA group, and dbias
+// over the axes the bias broadcasts along). `reduce_mask` has bit d set for each
+// reduced axis; tasks enumerate the remaining axes.
+struct InstanceSplit {
+  const AttentionParams* p;
+  uint32_t reduce_mask;
+
+  int64_t count(bool reduced) const {
+    int64_t n = 1;
+    for (int d = 0; d < p->num_inst_dims; ++d)
+      if (((reduce_mask >> d) & 1u) == static_cast<uint32_t>(reduced)) n *= p->inst_size[d];
+    return n;
+  }
+  // The linear instance index whose kept axes are `kept` and reduced axes `reduced`.
+  int64_t compose(int64_t kept, int64_t reduced) const {
+    int64_t linear = 0, scale = 1;
+    for (int d = p->num_inst_dims - 1; d >= 0; --d) {
+      int64_t& source = ((reduce_mask >> d) & 1u) ? reduced : kept;
+      const int64_t i = source % p->inst_size[d];
+      source /= p->inst_size[d];
+      linear += i * scale;
+      scale *= p->inst_size[d];
+    }
+    return linear;
+  }
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace jaxflash::cpu

@@ -1,0 +1,166 @@
+// XLA FFI handlers of the CPU kernels: decode, then run the kernel on XLA's
+// intra-op thread pool.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cuda/cpu/kernels.h"
+#include "cuda/ffi/decode.h"
+#include "cuda/ffi/handlers.h"
+
+namespace jaxflash {
+namespace {
+
+// Runs tasks [0, n) on the calling thread and the pool's workers. The caller
+// drains the queue too, so this finishes even if no worker ever starts; workers
+// that start late find it empty. An exception in a task fails the call.
+class PoolParallelFor {
+ public:
+  explicit PoolParallelFor(ffi::ThreadPool pool) : pool_(pool) {}
+
+  void operator()(int64_t n, const std::function<void(int64_t)>& task) {
+    if (n <= 0) return;
+    auto state = std::make_shared<State>();
+    state->n = n;
+    state->task = &task;
+    const int64_t helpers = std::min<int64_t>(pool_.num_threads(), n) - 1;
+    for (int64_t i = 0; i < helpers; ++i) pool_.Schedule([state] { drain(*state); });
+    drain(*state);
+    std::unique_lock<std::mutex> lock(state->mutex);
+    state->finished.wait(lock, [&] { return state->done.load() == state->n; });
+    if (state->failed) failed_ = true;
+  }
+
+  bool failed() const { return failed_; }
+
+ private:
+  struct State {
+    int64_t n = 0;
+    const std::function<void(int64_t)>* task = nullptr;
+    std::atomic<int64_t> next{0}, done{0};
+    std::atomic<bool> failed{false};
+    std::mutex mutex;
+    std::condition_variable finished;
+  };
+
+  static void drain(State& s) {
+    for (int64_t i = s.next++; i < s.n; i = s.next++) {
+      try {
+        (*s.task)(i);
+      } catch (...) {
+        s.failed = true;
+      }
+      if (++s.done == s.n) {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.finished.notify_all();
+      }
+    }
+  }
+
+  ffi::ThreadPool pool_;
+  bool failed_ = false;
+};
+
+ffi::Error run_on_pool(ffi::ThreadPool pool, void (*kernel)(const AttentionParams&, const cpu::ParallelFor&),
+                       const AttentionParams& p) {
+  PoolParallelFor parallel_for(pool);
+  kernel(p, std::ref(parallel_for));
+  if (parallel_for.failed()) return ffi::Error::Internal("jaxflash: CPU kernel task failed (out of memory?)");
+  return ffi::Error::Success();
+}
+
+ffi::Error forward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
+                       ffi::Span<const int64_t> dims, float scale, int64_t window_left, int64_t window_right,
+                       int64_t flags) {
+  AttentionParams p;
+  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
+    return e;
+  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
+  if (auto e = attach(p, kO, p.o, *o, ffi_type(p.dtype)); e.failure()) return e;
+  if (auto e = attach(p, kLse, p.lse, *lse, ffi::DataType::F32); e.failure()) return e;
+  return run_on_pool(pool, &cpu::forward, p);
+}
+
+ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer dlse,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                        ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
+                        ffi::Span<const int64_t> dims, float scale, int64_t window_left, int64_t window_right,
+                        int64_t flags) {
+  AttentionParams p;
+  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
+    return e;
+  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
+  const ffi::DataType t = ffi_type(p.dtype);
+  if (auto e = attach(p, kO, p.o, o, t); e.failure()) return e;
+  if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = attach(p, kDo, p.d_o, d_o, t); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasDlse, kDlse, p.dlse, dlse, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = attach(p, kDq, p.dq, *dq, t); e.failure()) return e;
+  if (auto e = attach(p, kDk, p.dk, *dk, t); e.failure()) return e;
+  if (auto e = attach(p, kDv, p.dv, *dv, t); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasDbias, kDbias, p.dbias, *dbias, ffi_type(p.bias_dtype)); e.failure())
+    return e;
+  if (auto e = check_gradient_layouts(p); e.failure()) return e;
+  return run_on_pool(pool, &cpu::backward, p);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_forward_cpu, forward_cpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::AnyBuffer>()  // q_lens
+                                  .Arg<ffi::AnyBuffer>()  // kv_lens
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<ffi::Span<const int64_t>>("instance_sizes")
+                                  .Attr<ffi::Span<const int64_t>>("strides")
+                                  .Attr<ffi::Span<const int64_t>>("dims")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int64_t>("flags"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_backward_cpu, backward_cpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::AnyBuffer>()  // q_lens
+                                  .Arg<ffi::AnyBuffer>()  // kv_lens
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // d_o
+                                  .Arg<ffi::AnyBuffer>()  // dlse
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dbias
+                                  .Attr<ffi::Span<const int64_t>>("instance_sizes")
+                                  .Attr<ffi::Span<const int64_t>>("strides")
+                                  .Attr<ffi::Span<const int64_t>>("dims")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int64_t>("flags"));
+
+}  // namespace jaxflash

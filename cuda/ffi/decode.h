@@ -1,0 +1,168 @@
+// Decoding XLA FFI buffers and attributes into the one AttentionParams the
+// kernels read. Shared by the CPU and CUDA handlers, so both check the same
+// things: dtypes, the layout attributes, and that every view stays inside its
+// buffer (a layout bug in Python becomes an error, never an out-of-bounds read).
+//
+// Attributes (all int64 unless said):
+//   instance_sizes : [D]            sizes of the instance axes, D <= kMaxInstanceDims
+//   strides        : [kSlots*(D+2)] per slot: D instance strides, row stride, col stride
+//   dims           : [3]            T, S, H
+//   scale          : float32
+//   window_left, window_right       kUnbounded (-1) or >= 0
+//   flags                           bits of jaxflash::Flags
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxflash {
+
+namespace ffi = xla::ffi;
+
+// Slot order of the "strides" attribute; jaxflash/primitives.py lists the same.
+enum Slot : int { kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDlse, kDq, kDk, kDv, kDbias, kSlots };
+
+inline const char* slot_name(int slot) {
+  static const char* names[kSlots] = {"q",  "k",    "v",    "bias", "mask", "q_lens", "kv_lens", "o",
+                                      "lse", "d_o", "dlse", "dq",   "dk",   "dv",     "dbias"};
+  return names[slot];
+}
+
+inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
+                                ffi::Span<const int64_t> dims, float scale, int64_t window_left,
+                                int64_t window_right, int64_t flags, AttentionParams& p) {
+  const int64_t D = static_cast<int64_t>(instance_sizes.size());
+  if (D > kMaxInstanceDims)
+    return ffi::Error::InvalidArgument("jaxflash: too many instance dimensions: " + std::to_string(D));
+  if (static_cast<int64_t>(strides.size()) != kSlots * (D + 2))
+    return ffi::Error::InvalidArgument("jaxflash: strides attribute has the wrong length");
+  if (dims.size() != 3) return ffi::Error::InvalidArgument("jaxflash: dims attribute must be [T, S, H]");
+  if (window_left < kUnbounded || window_right < kUnbounded)
+    return ffi::Error::InvalidArgument("jaxflash: window sizes must be -1 (unbounded) or >= 0");
+  p.num_inst_dims = static_cast<int>(D);
+  for (int64_t d = 0; d < D; ++d) {
+    if (instance_sizes[d] < 1) return ffi::Error::InvalidArgument("jaxflash: instance sizes must be >= 1");
+    p.inst_size[d] = instance_sizes[d];
+  }
+  p.seqlen_q = dims[0];
+  p.seqlen_k = dims[1];
+  p.head_dim = dims[2];
+  if (p.seqlen_q < 1 || p.seqlen_k < 1 || p.head_dim < 1)
+    return ffi::Error::InvalidArgument("jaxflash: T, S and H must be >= 1");
+  p.scale = scale;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.flags = flags;
+
+  ArrayView* views[kSlots] = {&p.q, &p.k,    &p.v,    &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.o,
+                              &p.lse, &p.d_o, &p.dlse, &p.dq,  &p.dk,   &p.dv,     &p.dbias};
+  for (int s = 0; s < kSlots; ++s) {
+    const int64_t* st = strides.begin() + s * (D + 2);
+    for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
+    views[s]->row_stride = st[D];
+    views[s]->col_stride = st[D + 1];
+    for (int64_t d = 0; d < D + 2; ++d)
+      if (st[d] < 0) return ffi::Error::InvalidArgument(std::string("jaxflash: negative stride for ") + slot_name(s));
+  }
+  return ffi::Error::Success();
+}
+
+// The rows/cols a slot's view spans (lse-like and length views have no cols).
+inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64_t& cols) {
+  switch (slot) {
+    case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
+    case kLse: case kDlse: rows = p.seqlen_q; cols = 1; return;
+    case kQLens: case kKvLens: rows = 1; cols = 1; return;
+    case kK: case kV: case kDk: case kDv: rows = p.seqlen_k; cols = p.head_dim; return;
+    default: rows = p.seqlen_q; cols = p.head_dim; return;
+  }
+}
+
+// Points `view` at `buffer` after checking its element type and that the
+// furthest element the view can address lies inside the buffer.
+template <class Buffer>
+ffi::Error attach(const AttentionParams& p, int slot, ArrayView& view, Buffer& buffer,
+                  ffi::DataType expected_type) {
+  if (buffer.element_type() != expected_type)
+    return ffi::Error::InvalidArgument(std::string("jaxflash: unexpected element type for ") + slot_name(slot));
+  int64_t rows, cols;
+  view_extent(p, slot, rows, cols);
+  int64_t last = (rows - 1) * view.row_stride + (cols - 1) * view.col_stride;
+  for (int d = 0; d < p.num_inst_dims; ++d) last += (p.inst_size[d] - 1) * view.inst_stride[d];
+  if (static_cast<int64_t>(buffer.element_count()) <= last)
+    return ffi::Error::InvalidArgument(std::string("jaxflash: layout of ") + slot_name(slot) +
+                                       " reaches past its buffer");
+  view.data = buffer.untyped_data();
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_dtype(ffi::DataType type, DType& out, const char* what) {
+  switch (type) {
+    case ffi::DataType::F32: out = DType::kF32; return ffi::Error::Success();
+    case ffi::DataType::F16: out = DType::kF16; return ffi::Error::Success();
+    case ffi::DataType::BF16: out = DType::kBF16; return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument(std::string("jaxflash: unsupported dtype for ") + what);
+  }
+}
+
+inline ffi::DataType ffi_type(DType t) {
+  switch (t) {
+    case DType::kF16: return ffi::DataType::F16;
+    case DType::kBF16: return ffi::DataType::BF16;
+    default: return ffi::DataType::F32;
+  }
+}
+
+// Attaches an optional operand when its flag is set; absent operands arrive as
+// zero-size buffers and must stay detached.
+template <class Buffer>
+ffi::Error attach_optional(const AttentionParams& p, int64_t flag, int slot, ArrayView& view,
+                           Buffer& buffer, ffi::DataType expected_type) {
+  if (!p.has(flag)) {
+    if (buffer.element_count() != 0)
+      return ffi::Error::InvalidArgument(std::string("jaxflash: ") + slot_name(slot) + " given but not flagged");
+    return ffi::Error::Success();
+  }
+  return attach(p, slot, view, buffer, expected_type);
+}
+
+// Decodes the operands every direction shares: q, k, v, bias, mask, lengths.
+inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                                ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
+                                ffi::AnyBuffer& kv_lens) {
+  if (auto e = decode_dtype(q.element_type(), p.dtype, "q"); e.failure()) return e;
+  const ffi::DataType t = ffi_type(p.dtype);
+  p.bias_dtype = p.dtype;
+  if (p.has(kHasBias)) {
+    if (auto e = decode_dtype(bias.element_type(), p.bias_dtype, "bias"); e.failure()) return e;
+    if (p.bias_dtype != p.dtype && p.bias_dtype != DType::kF32)
+      return ffi::Error::InvalidArgument("jaxflash: bias dtype must be the query dtype or float32");
+  }
+  if (auto e = attach(p, kQ, p.q, q, t); e.failure()) return e;
+  if (auto e = attach(p, kK, p.k, k, t); e.failure()) return e;
+  if (auto e = attach(p, kV, p.v, v, t); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasBias, kBias, p.bias, bias, ffi_type(p.bias_dtype)); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasMask, kMask, p.mask, mask, ffi::DataType::PRED); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasQLens, kQLens, p.q_lens, q_lens, ffi::DataType::S32); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasKvLens, kKvLens, p.kv_lens, kv_lens, ffi::DataType::S32); e.failure())
+    return e;
+  return ffi::Error::Success();
+}
+
+// The backward's outputs must have one writer per element: dq may not be
+// shared along any instance axis, and dk, dv must be shared along the same ones
+// (the axes the K/V-outer pass reduces over).
+inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
+  for (int d = 0; d < p.num_inst_dims; ++d) {
+    if (p.inst_size[d] == 1) continue;
+    if (p.dq.inst_stride[d] == 0) return ffi::Error::InvalidArgument("jaxflash: dq is broadcast along an instance axis");
+    if ((p.dk.inst_stride[d] == 0) != (p.dv.inst_stride[d] == 0))
+      return ffi::Error::InvalidArgument("jaxflash: dk and dv must be broadcast along the same instance axes");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxflash

@@ -1,0 +1,178 @@
+// The one parameter block every jaxflash kernel reads (CPU and CUDA alike).
+//
+// The FFI handlers decode XLA's buffers and attributes into an AttentionParams;
+// the kernels never see XLA types. Every array is described by strides over an
+// "instance space" (the batch-like axes: batch, kv-head, query-group and any
+// axis jax.vmap adds) plus its own row/column strides, so a vmapped axis at any
+// position becomes a stride instead of a transpose, and a broadcast operand
+// (shared K/V under vmap, a bias without a batch axis, GQA) is a zero stride.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JF_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define JF_HOST_DEVICE inline
+#endif
+
+namespace jaxflash {
+
+// Python merges and drops instance axes before lowering, so in practice two or
+// three remain (batch, kv-head, group); eight leaves room for nested vmaps.
+constexpr int kMaxInstanceDims = 8;
+
+enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// One operand seen as [instance..., row, col], strides in elements.
+//   q, k, v, o, d_o, dq, dk, dv : row = sequence position, col = feature (head dim)
+//   bias, mask, dbias           : row = query position,    col = key position
+//   lse, dlse                   : row = query position,    col unused
+//   q_lens, kv_lens             : instance strides only
+// data == nullptr means the operand is absent.
+struct ArrayView {
+  void* data = nullptr;
+  int64_t inst_stride[kMaxInstanceDims] = {};
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+// Bits of AttentionParams::flags. The presence of optional operands is also
+// visible as data != nullptr; the flags let handlers cross-check the two.
+enum Flags : int64_t {
+  kHasBias = 1 << 0,
+  kHasMask = 1 << 1,
+  kHasQLens = 1 << 2,
+  kHasKvLens = 1 << 3,
+  kBottomRight = 1 << 4,  // align the causal/window diagonal to the ends (kv_len - q_len)
+  kHasDlse = 1 << 5,      // backward: a cotangent for the returned logsumexp
+  kHasDbias = 1 << 6,     // backward: write dbias
+};
+
+// Sentinel for an unbounded side of the attention window.
+constexpr int64_t kUnbounded = -1;
+
+struct AttentionParams {
+  DType dtype = DType::kF32;       // q, k, v, o, d_o, dq, dk, dv
+  DType bias_dtype = DType::kF32;  // bias and dbias: dtype or float32
+  int64_t flags = 0;
+
+  int num_inst_dims = 0;
+  int64_t inst_size[kMaxInstanceDims] = {};
+
+  int64_t seqlen_q = 0;  // T
+  int64_t seqlen_k = 0;  // S
+  int64_t head_dim = 0;  // H (q, k and v share it, as in jax.nn)
+
+  float scale = 1.f;  // logits = scale * q.k + bias
+
+  // Key s is visible from query t iff  -window_left <= s - t - offset <= window_right,
+  // offset = 0 (top-left, jax.nn) or kv_len - q_len (bottom-right); kUnbounded drops a
+  // side. is_causal is window_right = 0.
+  int64_t window_left = kUnbounded;
+  int64_t window_right = kUnbounded;
+
+  // Forward operands and results.
+  ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
+  ArrayView o, lse;                                // lse: float32, natural log, -inf for empty rows
+
+  // Backward operands and results (unused by the forward).
+  ArrayView d_o, dlse;         // dlse: float32
+  ArrayView dq, dk, dv, dbias;
+
+  JF_HOST_DEVICE bool has(int64_t flag) const { return (flags & flag) != 0; }
+
+  JF_HOST_DEVICE int64_t num_instances() const {
+    int64_t n = 1;
+    for (int d = 0; d < num_inst_dims; ++d) n *= inst_size[d];
+    return n;
+  }
+};
+
+// Element offset of instance `linear` (row-major over inst_size) in `view`.
+JF_HOST_DEVICE int64_t instance_offset(const AttentionParams& p, const ArrayView& view,
+                                       int64_t linear) {
+  int64_t offset = 0;
+  for (int d = p.num_inst_dims - 1; d >= 0; --d) {
+    const int64_t i = linear % p.inst_size[d];
+    linear /= p.inst_size[d];
+    offset += i * view.inst_stride[d];
+  }
+  return offset;
+}
+
+// The visible rows and keys of one instance, after sequence lengths.
+struct InstanceBounds {
+  int64_t q_len;   // rows >= q_len are padding: output 0, no gradient
+  int64_t kv_len;  // keys >= kv_len are never visible
+  int64_t offset;  // diagonal offset (see window_left)
+};
+
+JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t linear) {
+  InstanceBounds b{p.seqlen_q, p.seqlen_k, 0};
+  if (p.has(kHasQLens)) {
+    const int32_t n = static_cast<const int32_t*>(p.q_lens.data)[instance_offset(p, p.q_lens, linear)];
+    b.q_len = n < 0 ? 0 : (n > p.seqlen_q ? p.seqlen_q : n);
+  }
+  if (p.has(kHasKvLens)) {
+    const int32_t n = static_cast<const int32_t*>(p.kv_lens.data)[instance_offset(p, p.kv_lens, linear)];
+    b.kv_len = n < 0 ? 0 : (n > p.seqlen_k ? p.seqlen_k : n);
+  }
+  if (p.has(kBottomRight)) b.offset = b.kv_len - b.q_len;
+  return b;
+}
+
+// Whether key s is visible from query t by position alone (window, causal,
+// lengths); the dense mask is applied separately.
+JF_HOST_DEVICE bool position_visible(const AttentionParams& p, const InstanceBounds& b, int64_t t,
+                                     int64_t s) {
+  if (t >= b.q_len || s >= b.kv_len) return false;
+  const int64_t d = s - t - b.offset;
+  if (p.window_left != kUnbounded && d < -p.window_left) return false;
+  if (p.window_right != kUnbounded && d > p.window_right) return false;
+  return true;
+}
+
+// Half-open key range [lo, hi) that rows [t0, t1) can see by position; the
+// tiles outside it are skipped entirely. Empty when lo >= hi.
+struct KeyRange {
+  int64_t lo, hi;
+};
+
+JF_HOST_DEVICE KeyRange visible_keys(const AttentionParams& p, const InstanceBounds& b, int64_t t0,
+                                     int64_t t1) {
+  if (t1 > b.q_len) t1 = b.q_len;
+  if (t0 >= t1) return {0, 0};
+  int64_t lo = 0, hi = b.kv_len;
+  if (p.window_left != kUnbounded) {
+    const int64_t first = t0 + b.offset - p.window_left;
+    if (first > lo) lo = first;
+  }
+  if (p.window_right != kUnbounded) {
+    const int64_t last = (t1 - 1) + b.offset + p.window_right + 1;
+    if (last < hi) hi = last;
+  }
+  if (hi < lo) hi = lo;
+  return {lo, hi};
+}
+
+// Half-open query range [lo, hi) that keys [s0, s1) are visible from by
+// position (the transpose of visible_keys), for the K/V-outer backward pass.
+JF_HOST_DEVICE KeyRange visible_queries(const AttentionParams& p, const InstanceBounds& b,
+                                        int64_t s0, int64_t s1) {
+  if (s1 > b.kv_len) s1 = b.kv_len;
+  if (s0 >= s1) return {0, 0};
+  int64_t lo = 0, hi = b.q_len;
+  if (p.window_right != kUnbounded) {  // s - t - offset <= right  =>  t >= s - offset - right
+    const int64_t first = s0 - b.offset - p.window_right;
+    if (first > lo) lo = first;
+  }
+  if (p.window_left != kUnbounded) {  // s - t - offset >= -left  =>  t <= s - offset + left
+    const int64_t last = (s1 - 1) - b.offset + p.window_left + 1;
+    if (last < hi) hi = last;
+  }
+  if (hi < lo) hi = lo;
+  return {lo, hi};
+}
+
+}  // namespace jaxflash

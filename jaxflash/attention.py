@@ -1,0 +1,332 @@
+"""jaxflash.attention: the public API.
+
+A drop-in for :func:`jax.nn.dot_product_attention`. This file validates the
+arguments (every error names the argument, what was given and what is
+allowed), describes each operand's axes as a :mod:`jaxflash.layout`, and wires
+the forward and backward primitives into a ``jax.custom_vjp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from jaxflash import primitives as prims
+from jaxflash.layout import COL, ROW, Layout, drop_col
+from jaxflash.primitives import KernelConfig
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+              is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+              local_window_size: int | tuple[int, int] | None = None,
+              implementation: None = None, return_residual: bool = False,
+              mask_alignment: Literal["top_left", "bottom_right"] = "top_left"):
+  r"""Scaled dot-product attention, computed by jaxflash's FlashAttention kernels.
+
+  Same arguments, shapes and semantics as :func:`jax.nn.dot_product_attention`:
+  ``softmax(scale * Q·Kᵀ + bias, masked) · V`` per head.
+
+  Args:
+    query: ``(B, T, N, H)``, ``(T, N, H)``, or a single head ``(T, H)``.
+    key, value: ``(B, S, K, H)``, ``(S, K, H)`` or ``(S, H)``; ``N % K == 0``
+      (grouped-query attention; ``K == 1`` is multi-query). float32, float16 or
+      bfloat16, all three the same dtype; ``H <= 256``.
+    bias: added to the logits; broadcastable to ``(B, N, T, S)`` (to ``(N, T, S)``
+      for 3-D inputs, ``(T, S)`` for a single head), at most that rank; leading
+      axes are added as in jax.nn. Differentiable.
+    mask: boolean, True = attend; broadcastable like ``bias``.
+    scale: logit scale, default ``1 / sqrt(H)``.
+    is_causal: key ``s`` is visible from query ``t`` only if ``s <= t``
+      (top-left aligned, as jax.nn; see ``mask_alignment``).
+    query_seq_lengths, key_value_seq_lengths: int32 ``(B,)`` (a scalar for a
+      single head); queries ``t >= q_len`` output 0, keys ``s >= kv_len`` are
+      never visible.
+    local_window_size: ``w`` or ``(left, right)``: query ``t`` sees keys
+      ``t - left <= s <= t + right``.
+    implementation: must be None; jaxflash always runs its own kernels.
+    return_residual: also return the logsumexp of the logits, shape
+      ``(B, T, N)`` (``(T, N)``, ``(T,)``) in the query dtype.
+    mask_alignment: ``"top_left"`` (jax.nn) or ``"bottom_right"``: the causal
+      and window diagonal ends at the last query and key (offset
+      ``kv_len - q_len``), as FlashAttention >= 2.1 does for ``T != S``.
+
+  Returns:
+    The attention output, shaped like ``query``; with ``return_residual``, a
+    tuple ``(output, logsumexp)``.
+
+  Differences from jax.nn.dot_product_attention: a query row that sees no key
+  outputs 0 and has logsumexp ``-inf`` (jax.nn averages V there); the returned
+  logsumexp is differentiable (jax.nn stops its gradient).
+  """
+  call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                   key_value_seq_lengths, local_window_size, implementation, return_residual,
+                   mask_alignment)
+  if call.is_empty:
+    out = jnp.zeros(call.q.shape, call.q.dtype)
+    lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
+  else:
+    out, lse = _flash(call.q, call.k, call.v, call.bias, call.mask, call.q_lens, call.kv_lens,
+                      call.config)
+    lse = lse.astype(call.q.dtype)
+  return (out, lse) if return_residual else out
+
+
+# ---------------------------------------------------------------- validation
+
+@dataclasses.dataclass
+class _Call:
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: jax.Array | None
+  mask: jax.Array | None
+  q_lens: jax.Array | None
+  kv_lens: jax.Array | None
+  config: KernelConfig
+  is_empty: bool
+
+
+def _shape_str(x) -> str:
+  return f"shape {tuple(x.shape)}"
+
+
+def _as_array(x, name: str) -> jax.Array:
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"jaxflash.attention: {name} must be an array, got {type(x).__name__}") from e
+
+
+def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+              key_value_seq_lengths, local_window_size, implementation, return_residual,
+              mask_alignment) -> _Call:
+  if implementation is not None:
+    raise ValueError(f"jaxflash.attention: implementation must be None (jaxflash always uses "
+                     f"its own kernels), got {implementation!r}")
+  if mask_alignment not in ("top_left", "bottom_right"):
+    raise ValueError(f"jaxflash.attention: mask_alignment must be 'top_left' or 'bottom_right', "
+                     f"got {mask_alignment!r}")
+  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"jaxflash.attention: {name} must be a bool, got {flag!r}")
+
+  q, k, v = (_as_array(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+  rank = q.ndim
+  if rank not in (2, 3, 4):
+    raise ValueError(f"jaxflash.attention: query must have rank 4 (B, T, N, H), 3 (T, N, H) or "
+                     f"2 (T, H), got {_shape_str(q)}")
+  for name, x in (("key", k), ("value", v)):
+    if x.ndim != rank:
+      raise ValueError(f"jaxflash.attention: {name} must have the rank of query ({rank}), "
+                       f"got {_shape_str(x)}")
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise TypeError(f"jaxflash.attention: query dtype must be float32, float16 or bfloat16, "
+                    f"got {q.dtype}")
+  for name, x in (("key", k), ("value", v)):
+    if x.dtype != q.dtype:
+      raise TypeError(f"jaxflash.attention: {name} dtype must equal the query dtype ({q.dtype}), "
+                      f"got {x.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"jaxflash.attention: value must have the shape of key {tuple(k.shape)}, "
+                     f"got {_shape_str(v)}")
+
+  # Name the axes: (B, T, N, H) with missing leading axes of size 1.
+  B, T, N, H = (1,) * (4 - rank) + tuple(q.shape)
+  Bk, S, K, Hk = (1,) * (4 - rank) + tuple(k.shape)
+  if Bk != B:
+    raise ValueError(f"jaxflash.attention: key batch size must equal the query's ({B}), got "
+                     f"{_shape_str(k)}")
+  if Hk != H:
+    raise ValueError(f"jaxflash.attention: key head dim must equal the query's ({H}), got "
+                     f"{_shape_str(k)}")
+  if H > MAX_HEAD_DIM:
+    raise ValueError(f"jaxflash.attention: head dim (query.shape[-1]) must be <= {MAX_HEAD_DIM}, "
+                     f"got {H}")
+  if K == 0 or N % K != 0:
+    raise ValueError(f"jaxflash.attention: the number of query heads ({N}) must be a multiple of "
+                     f"the number of key/value heads, got {K}")
+  G = N // K
+
+  # Instance axes: 0 = batch, 1 = kv head, 2 = query head within its group. The
+  # logical BNTS axes of bias and mask map onto them; each array keeps its own rank.
+  if rank == 4:
+    instance_sizes = (B, K, G)
+    batch_role, head_role, kv_head_role = (0,), (1, 2), (1,)
+  elif rank == 3:
+    instance_sizes = (K, G)
+    batch_role, head_role, kv_head_role = (), (0, 1), (0,)
+  else:
+    instance_sizes = ()
+    batch_role, head_role, kv_head_role = (), (), ()
+
+  def seq_layout(x, heads) -> Layout:
+    roles = ((batch_role, ROW, heads, COL) if rank == 4 else
+             (ROW, heads, COL) if rank == 3 else (ROW, COL))
+    return tuple(zip(roles, x.shape))
+
+  logits_roles = (batch_role, head_role, ROW, COL)[4 - rank:]
+  logits_shape = (B, N, T, S)[4 - rank:]
+  logits_name = ("(B, N, T, S)", "(N, T, S)", "(T, S)")[4 - rank]
+
+  def logits_operand(x, name: str):
+    if x is None:
+      return None, None
+    x = _as_array(x, name)
+    if x.ndim > len(logits_shape):
+      raise ValueError(f"jaxflash.attention: {name} must have rank <= {len(logits_shape)} and be "
+                       f"broadcastable to {logits_name} = {logits_shape}, got {_shape_str(x)}")
+    trailing = logits_shape[len(logits_shape) - x.ndim:]
+    if any(n not in (1, m) for n, m in zip(x.shape, trailing)):
+      raise ValueError(f"jaxflash.attention: {name} must be broadcastable to {logits_name} = "
+                       f"{logits_shape}, got {_shape_str(x)}")
+    roles = logits_roles[len(logits_roles) - x.ndim:]
+    return x, tuple(zip(roles, x.shape))
+
+  bias, bias_layout = logits_operand(bias, "bias")
+  if bias is not None:
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"jaxflash.attention: bias must be a floating-point array, got {bias.dtype}")
+    if bias.dtype != q.dtype:
+      # The kernels read the bias in the query dtype or in float32; float32
+      # holds every other floating dtype's values exactly enough for logits.
+      bias = bias.astype(jnp.float32)
+  mask, mask_layout = logits_operand(mask, "mask")
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise TypeError(f"jaxflash.attention: mask must be a boolean array (True = attend), got "
+                    f"{mask.dtype}; pass an additive mask as bias")
+
+  def lengths(x, name: str):
+    if x is None:
+      return None, None
+    x = _as_array(x, name)
+    allowed = ((B,),) if rank == 4 else ((), (1,))
+    if x.shape not in allowed:
+      want = f"shape ({B},)" if rank == 4 else "a scalar or shape (1,)"
+      raise ValueError(f"jaxflash.attention: {name} must have {want}, got {_shape_str(x)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"jaxflash.attention: {name} must be an int32 array, got {x.dtype}")
+    return x.astype(jnp.int32), tuple(zip((batch_role,) * x.ndim, x.shape))
+
+  q_lens, q_lens_layout = lengths(query_seq_lengths, "query_seq_lengths")
+  kv_lens, kv_lens_layout = lengths(key_value_seq_lengths, "key_value_seq_lengths")
+
+  window = _window(local_window_size, is_causal)
+  scale = _scale(scale, H)
+
+  flags = prims.BOTTOM_RIGHT if mask_alignment == "bottom_right" else 0
+  layouts = {"q": seq_layout(q, head_role), "k": seq_layout(k, kv_head_role),
+             "v": seq_layout(v, kv_head_role)}
+  layouts["o"] = layouts["q"]
+  layouts["lse"] = drop_col(layouts["q"])
+  for name, layout, flag in (("bias", bias_layout, prims.HAS_BIAS),
+                             ("mask", mask_layout, prims.HAS_MASK),
+                             ("q_lens", q_lens_layout, prims.HAS_Q_LENS),
+                             ("kv_lens", kv_lens_layout, prims.HAS_KV_LENS)):
+    if layout is not None:
+      layouts[name] = layout
+      flags |= flag
+  config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
+                        seq_dims=(T, S, H), scale=scale, window=window, flags=flags)
+  is_empty = 0 in (B, T, S, N, H)
+  return _Call(q, k, v, bias, mask, q_lens, kv_lens, config, is_empty)
+
+
+def _window(local_window_size, is_causal) -> tuple[int, int]:
+  left = right = prims.UNBOUNDED
+  if local_window_size is not None:
+    if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+      left = right = int(local_window_size)
+    elif (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and
+          all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+              for w in local_window_size)):
+      left, right = (int(w) for w in local_window_size)
+    else:
+      raise TypeError(f"jaxflash.attention: local_window_size must be an int or a (left, right) "
+                      f"pair of ints, got {local_window_size!r}")
+    if left < 0 or right < 0:
+      raise ValueError(f"jaxflash.attention: local_window_size must be >= 0 on both sides, got "
+                       f"{local_window_size!r}")
+  if is_causal:
+    right = 0
+  return left, right
+
+
+def _scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return float(1.0 / np.sqrt(head_dim))
+  try:
+    value = float(scale)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(f"jaxflash.attention: scale must be a Python float (a static value, not a "
+                    f"traced array), got {scale!r}") from e
+  if not np.isfinite(value):
+    raise ValueError(f"jaxflash.attention: scale must be finite, got {scale!r}")
+  return value
+
+
+# ---------------------------------------------------------------- autodiff
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _WantDbias:
+  """Whether the backward computes dbias: a static leaf of the residuals."""
+  value: bool
+
+
+def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, config):
+  def operand(x, slot):
+    return prims.absent(slot, q.dtype) if x is None else x
+  return prims.forward_p.bind(q, k, v, operand(bias, "bias"), operand(mask, "mask"),
+                              operand(q_lens, "q_lens"), operand(kv_lens, "kv_lens"),
+                              config=config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, config):
+  return tuple(_bind_forward(q, k, v, bias, mask, q_lens, kv_lens, config))
+
+
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, config):
+  values = [x.value if x is not None else None for x in (q, k, v, bias, mask, q_lens, kv_lens)]
+  out, lse = _bind_forward(*values, config)
+  want_dbias = bias is not None and bias.perturbed
+  return (out, lse), (tuple(values), out, lse, _WantDbias(want_dbias))
+
+
+def _flash_bwd(config, residuals, cotangents):
+  (q, k, v, bias, mask, q_lens, kv_lens), out, lse, want_dbias = residuals
+  d_out, d_lse = cotangents
+  if isinstance(d_out, SymbolicZero):
+    d_out = jnp.zeros(out.shape, out.dtype)
+  flags = config.flags | (prims.HAS_DBIAS if want_dbias.value else 0)
+  grad_layouts = {"d_o": config.layout("o"), "dq": config.layout("q"),
+                  "dk": config.layout("k"), "dv": config.layout("v")}
+  if isinstance(d_lse, SymbolicZero):
+    d_lse = prims.absent("dlse", q.dtype)
+  else:
+    flags |= prims.HAS_DLSE
+    grad_layouts["dlse"] = config.layout("lse")
+  if want_dbias.value:
+    grad_layouts["dbias"] = config.layout("bias")
+  bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
+
+  def operand(x, slot):
+    return prims.absent(slot, q.dtype) if x is None else x
+  dq, dk, dv, dbias = prims.backward_p.bind(
+      q, k, v, operand(bias, "bias"), operand(mask, "mask"), operand(q_lens, "q_lens"),
+      operand(kv_lens, "kv_lens"), out, lse, d_out.astype(out.dtype), d_lse.astype(jnp.float32),
+      config=bwd_config)
+  return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

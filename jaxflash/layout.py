@@ -1,0 +1,119 @@
+"""How each kernel operand's axes map onto the kernel's index space.
+
+The kernels index every array as ``[instance..., row, col]``: the *instance*
+axes are the batch-like ones (batch, kv-head, query group, and any axis that
+``jax.vmap`` adds), ``row`` is the sequence position and ``col`` the feature
+(or, for bias and mask, the key position). An array's :data:`Layout` names the
+role of each of its axes, with the axis size. Strides are derived from the
+layout, so an axis that vmap inserts anywhere becomes a stride rather than a
+transpose, and an operand that does not vary along an instance axis (K/V shared
+by a GQA group, a bias without a batch axis, an unbatched operand under vmap)
+simply has stride 0 there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+ROW = "row"
+COL = "col"
+
+# An axis role: ROW, COL, or the instance axes (outer to inner) that the array
+# axis flattens, row-major. An axis of size 1 is broadcast whatever its role.
+Role = str | tuple[int, ...]
+Axis = tuple[Role, int]  # (role, size)
+Layout = tuple[Axis, ...]
+
+# The operand slots of the FFI "strides" attribute, in the order that
+# cuda/ffi/decode.h reads them.
+SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
+         "d_o", "dlse", "dq", "dk", "dv", "dbias")
+
+# Python merges what it can before lowering; nested vmaps may still need a few.
+MAX_INSTANCE_DIMS = 8
+
+
+def shape_of(layout: Layout) -> tuple[int, ...]:
+  return tuple(size for _, size in layout)
+
+
+def insert_axis(layout: Layout, position: int, axis: Axis) -> Layout:
+  return layout[:position] + (axis,) + layout[position:]
+
+
+def drop_col(layout: Layout) -> Layout:
+  return tuple(axis for axis in layout if axis[0] != COL)
+
+
+def strides_of(layout: Layout, instance_sizes: Sequence[int]) -> tuple[list[int], int, int]:
+  """Element strides of a dense row-major array with this layout.
+
+  Returns (instance strides, row stride, col stride); 0 where the array does
+  not vary along that axis.
+  """
+  inst = [0] * len(instance_sizes)
+  row = col = 0
+  stride = 1
+  for role, size in reversed(layout):
+    if size != 1:
+      if role == ROW:
+        row = stride
+      elif role == COL:
+        col = stride
+      else:
+        expected = math.prod(instance_sizes[i] for i in role)
+        if size != expected:
+          raise AssertionError(f"jaxflash internal: axis of size {size} flattens instance axes "
+                               f"{role} of total size {expected}")
+        inner = stride
+        for i in reversed(role):
+          inst[i] = inner
+          inner *= instance_sizes[i]
+    stride *= size
+  return inst, row, col
+
+
+def packed_strides(instance_sizes: Sequence[int],
+                   layouts: dict[str, Layout]) -> tuple[np.ndarray, np.ndarray]:
+  """The FFI attributes ``instance_sizes`` and ``strides`` for these layouts.
+
+  Instance axes of size 1 are dropped and neighbours that every operand walks
+  contiguously are merged, so the kernels see as few axes as possible (at least
+  one, since XLA's attribute decoding wants non-empty arrays).
+  """
+  per_slot = {name: strides_of(layout, instance_sizes) for name, layout in layouts.items()}
+  sizes = list(instance_sizes)
+  inst = {name: list(s[0]) for name, s in per_slot.items()}
+
+  keep = [d for d, n in enumerate(sizes) if n != 1]
+  sizes = [sizes[d] for d in keep]
+  inst = {name: [st[d] for d in keep] for name, st in inst.items()}
+  d = 0
+  while d + 1 < len(sizes):
+    if all(st[d] == st[d + 1] * sizes[d + 1] for st in inst.values()):
+      sizes[d] *= sizes[d + 1]
+      del sizes[d + 1]
+      for st in inst.values():
+        st[d] = st[d + 1]
+        del st[d + 1]
+    else:
+      d += 1
+  if not sizes:
+    sizes = [1]
+    inst = {name: [0] for name in inst}
+  if len(sizes) > MAX_INSTANCE_DIMS:
+    raise NotImplementedError(
+        f"jaxflash: this call needs {len(sizes)} batch-like axes after merging (nested vmap?); "
+        f"the kernels take at most {MAX_INSTANCE_DIMS}")
+
+  rows = []
+  for name in SLOTS:
+    if name in per_slot:
+      _, row, col = per_slot[name]
+      rows.append(inst[name] + [row, col])
+    else:
+      rows.append([0] * (len(sizes) + 2))
+  return np.asarray(sizes, np.int64), np.asarray(rows, np.int64).reshape(-1)

@@ -1,0 +1,210 @@
+"""The forward and backward attention primitives.
+
+``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens) -> (o, lse)
+``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, o, lse, d_o, dlse) -> (dq, dk, dv, dbias)
+
+Absent optional operands are zero-size arrays (flags say which are present).
+Each primitive has an abstract evaluation, a lowering to the FFI target of the
+platform (cuda/ffi/*_handlers), and a batching rule that folds the vmapped axis
+into the kernel's instance space: one custom call per direction, whatever the
+vmap nesting, and no transpose or copy of the operands. Sharding rules join
+these in a later stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import ffi
+from jax.extend import core
+from jax.interpreters import batching, mlir
+
+from jaxflash import _native
+from jaxflash.layout import Layout, drop_col, insert_axis, packed_strides, shape_of
+
+# Bits of AttentionParams::flags (cuda/params.h).
+HAS_BIAS = 1 << 0
+HAS_MASK = 1 << 1
+HAS_Q_LENS = 1 << 2
+HAS_KV_LENS = 1 << 3
+BOTTOM_RIGHT = 1 << 4
+HAS_DLSE = 1 << 5
+HAS_DBIAS = 1 << 6
+UNBOUNDED = -1
+
+FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens")
+BACKWARD_INPUTS = FORWARD_INPUTS + ("o", "lse", "d_o", "dlse")
+OPTIONAL_FLAGS = {"bias": HAS_BIAS, "mask": HAS_MASK, "q_lens": HAS_Q_LENS,
+                  "kv_lens": HAS_KV_LENS, "dlse": HAS_DLSE, "dbias": HAS_DBIAS}
+ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32,
+                 "dlse": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Everything static about one attention call; hashable, so a primitive param.
+
+  ``layouts`` maps each present operand/result slot to its layout; slots of
+  absent operands are missing. ``window`` is (left, right) with UNBOUNDED for
+  an open side; is_causal is a right window of 0.
+  """
+  instance_sizes: tuple[int, ...]
+  layouts: tuple[tuple[str, Layout], ...]
+  seq_dims: tuple[int, int, int]  # T, S, H
+  scale: float
+  window: tuple[int, int]
+  flags: int
+
+  def layout(self, slot: str) -> Layout | None:
+    return dict(self.layouts).get(slot)
+
+  def has(self, flag: int) -> bool:
+    return bool(self.flags & flag)
+
+  def replace(self, **changes) -> KernelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def with_layouts(self, updates: dict[str, Layout]) -> KernelConfig:
+    merged = dict(self.layouts)
+    merged.update(updates)
+    return self.replace(layouts=tuple(sorted(merged.items())))
+
+  def ffi_attributes(self) -> dict:
+    sizes, strides = packed_strides(self.instance_sizes, dict(self.layouts))
+    return dict(instance_sizes=sizes, strides=strides,
+                dims=np.asarray(self.seq_dims, np.int64), scale=np.float32(self.scale),
+                window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
+                flags=np.int64(self.flags))
+
+
+def absent(slot: str, dtype) -> jax.Array:
+  """The zero-size placeholder for an absent optional operand."""
+  return jnp.zeros((0,), ABSENT_DTYPES.get(slot, dtype))
+
+
+# ---------------------------------------------------------------- forward
+
+forward_p = core.Primitive("jaxflash_fwd")
+forward_p.multiple_results = True
+
+
+def _forward_abstract_eval(q, k, v, bias, mask, q_lens, kv_lens, *, config):
+  del k, v, bias, mask, q_lens, kv_lens
+  return (jax.core.ShapedArray(shape_of(config.layout("o")), q.dtype),
+          jax.core.ShapedArray(shape_of(config.layout("lse")), jnp.float32))
+
+
+forward_p.def_abstract_eval(_forward_abstract_eval)
+forward_p.def_impl(lambda *args, config: jax.jit(
+    lambda *a: forward_p.bind(*a, config=config))(*args))
+
+
+def _new_instance_axis(config: KernelConfig, names: Sequence[str], args, dims):
+  """The config with a new instance axis for vmap, inserted into each batched operand."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  axis = ((len(config.instance_sizes),), size)
+  updates = {}
+  for name, d in zip(names, dims):
+    if d is None:
+      continue
+    if config.layout(name) is None:
+      raise AssertionError(f"jaxflash internal: absent operand {name} is batched")
+    updates[name] = insert_axis(config.layout(name), d, axis)
+  config = config.replace(instance_sizes=config.instance_sizes + (size,))
+  return config.with_layouts(updates), axis
+
+
+def _forward_batch(args, dims, *, config):
+  config, axis = _new_instance_axis(config, FORWARD_INPUTS, args, dims)
+  # The output follows q's layout (the vmapped axis where q has it, else in
+  # front); lse is the output's layout without the feature axis.
+  o_dim = dims[0] if dims[0] is not None else 0
+  o_layout = insert_axis(config.layout("o"), o_dim, axis)
+  lse_layout = drop_col(o_layout)
+  config = config.with_layouts({"o": o_layout, "lse": lse_layout})
+  return forward_p.bind(*args, config=config), (o_dim, lse_layout.index(axis))
+
+
+batching.primitive_batchers[forward_p] = _forward_batch
+
+
+# ---------------------------------------------------------------- backward
+
+backward_p = core.Primitive("jaxflash_bwd")
+backward_p.multiple_results = True
+
+
+def _backward_abstract_eval(q, k, v, bias, *rest, config):
+  del rest
+  dbias = (jax.core.ShapedArray(shape_of(config.layout("dbias")), bias.dtype)
+           if config.has(HAS_DBIAS) else jax.core.ShapedArray((0,), bias.dtype))
+  return (jax.core.ShapedArray(shape_of(config.layout("dq")), q.dtype),
+          jax.core.ShapedArray(shape_of(config.layout("dk")), k.dtype),
+          jax.core.ShapedArray(shape_of(config.layout("dv")), v.dtype),
+          dbias)
+
+
+backward_p.def_abstract_eval(_backward_abstract_eval)
+backward_p.def_impl(lambda *args, config: jax.jit(
+    lambda *a: backward_p.bind(*a, config=config))(*args))
+
+
+def _backward_batch(args, dims, *, config):
+  config, axis = _new_instance_axis(config, BACKWARD_INPUTS, args, dims)
+  # Every gradient is per vmapped instance, also for an operand that was not
+  # batched (JAX sums those afterwards); each lands where its operand had the
+  # vmapped axis, else in front.
+  updates, out_dims = {}, []
+  for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3)):
+    if config.layout(grad) is None:
+      out_dims.append(None)
+      continue
+    d = dims[operand] if dims[operand] is not None else 0
+    updates[grad] = insert_axis(config.layout(grad), d, axis)
+    out_dims.append(d)
+  config = config.with_layouts(updates)
+  return backward_p.bind(*args, config=config), tuple(out_dims)
+
+
+batching.primitive_batchers[backward_p] = _backward_batch
+
+
+def _no_higher_derivatives(primals, tangents, *, config):
+  del primals, tangents, config
+  raise NotImplementedError(
+      "jaxflash.attention supports first derivatives (jax.grad, jax.vjp) only; "
+      "forward-mode (jax.jvp, jax.jacfwd) and second derivatives are not implemented.")
+
+
+jax.interpreters.ad.primitive_jvps[forward_p] = _no_higher_derivatives
+jax.interpreters.ad.primitive_jvps[backward_p] = _no_higher_derivatives
+
+
+# ---------------------------------------------------------------- lowering
+
+def _lowering(target: str):
+  def rule(ctx, *args, config):
+    return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())
+  return rule
+
+
+def _register() -> tuple[str, ...]:
+  """Registers the FFI targets and lowerings this build has; returns the platforms."""
+  platforms = []
+  for platform, xla_platform, targets in (("cpu", "cpu", _native.cpu_targets()),
+                                          ("cuda", "CUDA", _native.cuda_targets())):
+    if not targets:
+      continue
+    for name, capsule in targets.items():
+      ffi.register_ffi_target(name, capsule, platform=xla_platform)
+    mlir.register_lowering(forward_p, _lowering("jaxflash_fwd"), platform=platform)
+    mlir.register_lowering(backward_p, _lowering("jaxflash_bwd"), platform=platform)
+    platforms.append(platform)
+  return tuple(platforms)
+
+
+PLATFORMS = _register()
