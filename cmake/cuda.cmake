@@ -9,8 +9,8 @@ set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_ARCHITECTURES})
 file(GLOB JAXFLASH_CUDA_SOURCES CONFIGURE_DEPENDS
      ${CMAKE_CURRENT_SOURCE_DIR}/cuda/gpu/*.cu
      ${CMAKE_CURRENT_SOURCE_DIR}/cuda/gpu/instantiations/*.cu)
-if(NOT JAXFLASH_CUDA_SOURCES)
-  message(STATUS "jaxflash: no CUDA kernels in cuda/gpu yet; CPU backend only")
+if(NOT JAXFLASH_CUDA_SOURCES OR NOT EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/cuda/ffi/cuda_handlers.cu)
+  message(STATUS "jaxflash: CUDA kernels or handlers not present; CPU backend only")
   return()
 endif()
 
