@@ -140,9 +140,11 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
     raise ValueError(f"jaxflash.attention: value must have the shape of key {tuple(k.shape)}, "
                      f"got {_shape_str(v)}")
 
-  # Name the axes: (B, T, N, H) with missing leading axes of size 1.
-  B, T, N, H = (1,) * (4 - rank) + tuple(q.shape)
-  Bk, S, K, Hk = (1,) * (4 - rank) + tuple(k.shape)
+  # Name the axes (B, T, N, H); a 3-D call has B = 1, a single head also N = 1.
+  def named_axes(shape):
+    return tuple(shape) if rank == 4 else (1, *shape) if rank == 3 else (1, shape[0], 1, shape[1])
+  B, T, N, H = named_axes(q.shape)
+  Bk, S, K, Hk = named_axes(k.shape)
   if Bk != B:
     raise ValueError(f"jaxflash.attention: key batch size must equal the query's ({B}), got "
                      f"{_shape_str(k)}")
