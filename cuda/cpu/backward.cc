@@ -26,7 +26,10 @@ namespace {
 struct QTile {
   std::vector<float> q, d_o, lse2, delta;
   int64_t rows = 0;
-  explicit QTile(int64_t H) : q(kBlockQ * H), d_o(kBlockQ * H), lse2(kBlockQ), delta(kBlockQ) {}
+  int64_t ld;  // padded row length of q and d_o
+  explicit QTile(int64_t H)
+      : q(kBlockQ * round_up_vec(H)), d_o(kBlockQ * round_up_vec(H)), lse2(kBlockQ), delta(kBlockQ),
+        ld(round_up_vec(H)) {}
 };
 
 template <class T>
@@ -34,10 +37,10 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
   const int64_t H = p.head_dim;
   tile.rows = rows;
   load_tile(element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride), p.q.row_stride,
-            p.q.col_stride, rows, H, p.scale * kLog2e, tile.q.data(), H);
+            p.q.col_stride, rows, H, p.scale * kLog2e, tile.q.data(), tile.ld);
   const T* d_o = element<T>(p.d_o, instance_offset(p, p.d_o, inst) + t0 * p.d_o.row_stride);
   const T* o = element<T>(p.o, instance_offset(p, p.o, inst) + t0 * p.o.row_stride);
-  load_tile(d_o, p.d_o.row_stride, p.d_o.col_stride, rows, H, 1.f, tile.d_o.data(), H);
+  load_tile(d_o, p.d_o.row_stride, p.d_o.col_stride, rows, H, 1.f, tile.d_o.data(), tile.ld);
   const float* lse = element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
   const float* dlse =
       p.has(kHasDlse) ? element<float>(p.dlse, instance_offset(p, p.dlse, inst) + t0 * p.dlse.row_stride)
@@ -45,7 +48,7 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
   for (int64_t i = 0; i < rows; ++i) {
     tile.lse2[i] = lse[i * p.lse.row_stride] * kLog2e;
     float delta = 0.f;
-    const float* dor = tile.d_o.data() + i * H;
+    const float* dor = tile.d_o.data() + i * tile.ld;
     for (int64_t d = 0; d < H; ++d) delta += dor[d] * to_float(o[i * p.o.row_stride + d * p.o.col_stride]);
     tile.delta[i] = delta - (dlse ? dlse[i * p.dlse.row_stride] : 0.f);
   }
@@ -58,19 +61,18 @@ void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& b
                                int64_t s0, int64_t cols, const float* kt, const float* vt,
                                float* s, float* dp) {
   const int64_t H = p.head_dim;
-  matmul(tile.q.data(), H, kt, kBlockK, tile.rows, cols, H, s, kBlockK);
+  matmul(tile.q.data(), tile.ld, kt, kBlockK, tile.rows, cols, H, s, kBlockK);
   finish_logits(p, bounds, logits_in, t0, tile.rows, s0, cols, s, kBlockK);
-  matmul(tile.d_o.data(), H, vt, kBlockK, tile.rows, cols, H, dp, kBlockK);
+  matmul(tile.d_o.data(), tile.ld, vt, kBlockK, tile.rows, cols, H, dp, kBlockK);
   for (int64_t i = 0; i < tile.rows; ++i) {
     float* si = s + i * kBlockK;
     float* dpi = dp + i * kBlockK;
-    const float lse2 = tile.lse2[i];
-    for (int64_t j = 0; j < cols; ++j) {
-      // lse = -inf marks a row with no visible key: all its P are 0.
-      const float prob = (si[j] == kNegInf || lse2 == kNegInf) ? 0.f : std::exp2(si[j] - lse2);
-      si[j] = prob;
-      dpi[j] = prob * (dpi[j] - tile.delta[i]);
-    }
+    // lse = -inf marks a row with no visible key: all its P are 0.
+    if (tile.lse2[i] == kNegInf)
+      std::fill(si, si + cols, 0.f);
+    else
+      exp2_shifted(si, cols, tile.lse2[i]);
+    for (int64_t j = 0; j < cols; ++j) dpi[j] = si[j] * (dpi[j] - tile.delta[i]);
   }
 }
 
@@ -85,10 +87,10 @@ uint32_t broadcast_axes(const AttentionParams& p, const ArrayView& out) {
 // Pass A: dK, dV for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
 template <class T, class BiasT>
 void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept, int64_t s0) {
-  const int64_t H = p.head_dim;
+  const int64_t H = p.head_dim, Hp = round_up_vec(H);
   const int64_t cols = std::min(kBlockK, p.seqlen_k - s0);
   std::vector<float> kt(H * kBlockK), vt(H * kBlockK), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
-  std::vector<float> dk(kBlockK * H, 0.f), dv(kBlockK * H, 0.f);
+  std::vector<float> dk(kBlockK * Hp, 0.f), dv(kBlockK * Hp, 0.f);
   QTile tile(H);
 
   const int64_t reduced_count = split.count(true);
@@ -109,17 +111,17 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
       load_q_tile<T>(p, inst, t0, std::min(kBlockQ, queries.hi - t0), tile);
       probabilities_and_dscores(p, bounds, logits_in, tile, t0, s0, live_cols, kt.data(), vt.data(),
                                 s.data(), dp.data());
-      matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), H, tile.rows, H, live_cols, dv.data(), H);
-      matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), H, tile.rows, H, live_cols, dk.data(), H);
+      matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hp, tile.rows, H, live_cols, dv.data(), Hp);
+      matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), Hp, tile.rows, H, live_cols, dk.data(), Hp);
     }
   }
   // kept's own instance has index 0 on the reduced axes, where dk/dv strides are 0.
   const int64_t inst = split.compose(kept, 0);
   // q was pre-scaled by scale·log2e; dK wants scale alone.
-  store_tile(dk.data(), H, cols, H, kLn2,
+  store_tile(dk.data(), Hp, cols, H, kLn2,
              mutable_element<T>(p.dk, instance_offset(p, p.dk, inst) + s0 * p.dk.row_stride),
              p.dk.row_stride, p.dk.col_stride);
-  store_tile(dv.data(), H, cols, H, 1.f,
+  store_tile(dv.data(), Hp, cols, H, 1.f,
              mutable_element<T>(p.dv, instance_offset(p, p.dv, inst) + s0 * p.dv.row_stride),
              p.dv.row_stride, p.dv.col_stride);
 }
@@ -128,7 +130,7 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
 template <class T, class BiasT>
 void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept,
                           int64_t first_t0, int64_t last_t0) {
-  const int64_t H = p.head_dim, S = p.seqlen_k;
+  const int64_t H = p.head_dim, Hp = round_up_vec(H), S = p.seqlen_k;
   const bool want_dbias = p.has(kHasDbias);
   // A bias with one row (or one column) gets the sum of dS over rows (columns).
   const bool dbias_one_row = p.seqlen_q > 1 && p.dbias.row_stride == 0;
@@ -137,8 +139,8 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
   const int64_t dbias_cols = dbias_one_col ? 1 : S;
   std::vector<float> dbias(want_dbias ? dbias_rows * dbias_cols : 0, 0.f);
 
-  std::vector<float> kt(H * kBlockK), vt(H * kBlockK), k(kBlockK * H);
-  std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * H);
+  std::vector<float> kt(H * kBlockK), vt(H * kBlockK), k(kBlockK * Hp);
+  std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * Hp);
   QTile tile(H);
 
   const int64_t reduced_count = split.count(true);
@@ -160,12 +162,12 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
           const int64_t cols = std::min(kBlockK, keys.hi - s0);
           load_tile_transposed(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
                                kt.data(), kBlockK);
-          load_tile(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H, 1.f, k.data(), H);
+          load_tile(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H, 1.f, k.data(), Hp);
           load_tile_transposed(v_base + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H,
                                vt.data(), kBlockK);
           probabilities_and_dscores(p, bounds, logits_in, tile, t0, s0, cols, kt.data(), vt.data(),
                                     s.data(), ds.data());
-          matmul_acc(ds.data(), kBlockK, k.data(), H, live_rows, H, cols, dq.data(), H);
+          matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
           if (!want_dbias) continue;
           for (int64_t i = 0; i < live_rows; ++i) {
             float* row = dbias.data() + (dbias_one_row ? 0 : i) * dbias_cols;
@@ -174,7 +176,7 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
           }
         }
       }
-      store_tile(dq.data(), H, rows, H, p.scale,
+      store_tile(dq.data(), Hp, rows, H, p.scale,
                  mutable_element<T>(p.dq, instance_offset(p, p.dq, inst) + t0 * p.dq.row_stride),
                  p.dq.row_stride, p.dq.col_stride);
     }

@@ -13,7 +13,7 @@ namespace {
 
 template <class T, class BiasT>
 void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
-  const int64_t H = p.head_dim;
+  const int64_t H = p.head_dim, Hp = round_up_vec(H);  // Hp: padded row length of feature tiles
   const InstanceBounds bounds = instance_bounds(p, inst);
   const int64_t rows = std::min(kBlockQ, p.seqlen_q - t0);
 
@@ -29,8 +29,8 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
     return;
   }
 
-  std::vector<float> q_tile(kBlockQ * H), kt_tile(H * kBlockK), v_tile(kBlockK * H);
-  std::vector<float> s_tile(kBlockQ * kBlockK), acc(kBlockQ * H, 0.f);
+  std::vector<float> q_tile(kBlockQ * Hp), kt_tile(H * kBlockK), v_tile(kBlockK * Hp);
+  std::vector<float> s_tile(kBlockQ * kBlockK), acc(kBlockQ * Hp, 0.f);
   std::vector<float> row_max(kBlockQ, kNegInf), row_sum(kBlockQ, 0.f);
 
   const T* q = element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride);
@@ -39,15 +39,15 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
   const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
 
   // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
-  load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), H);
+  load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), Hp);
 
   for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, keys.hi - s0);
     load_tile_transposed(k + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
                          kt_tile.data(), kBlockK);
-    load_tile(v + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H, 1.f, v_tile.data(), H);
+    load_tile(v + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H, 1.f, v_tile.data(), Hp);
 
-    matmul(q_tile.data(), H, kt_tile.data(), kBlockK, live_rows, cols, H, s_tile.data(), kBlockK);
+    matmul(q_tile.data(), Hp, kt_tile.data(), kBlockK, live_rows, cols, H, s_tile.data(), kBlockK);
     finish_logits(p, bounds, logits_in, t0, live_rows, s0, cols, s_tile.data(), kBlockK);
 
     // Online softmax update, row by row.
@@ -61,23 +61,21 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
         continue;
       }
       const float correction = std::exp2(row_max[i] - new_max);  // 0 when row_max was -inf
+      exp2_shifted(s, cols, new_max);
       float sum = 0.f;
-      for (int64_t j = 0; j < cols; ++j) {
-        s[j] = std::exp2(s[j] - new_max);
-        sum += s[j];
-      }
+      for (int64_t j = 0; j < cols; ++j) sum += s[j];
       row_sum[i] = row_sum[i] * correction + sum;
       row_max[i] = new_max;
-      float* a = acc.data() + i * H;
+      float* a = acc.data() + i * Hp;
       for (int64_t d = 0; d < H; ++d) a[d] *= correction;
     }
-    matmul_acc(s_tile.data(), kBlockK, v_tile.data(), H, live_rows, H, cols, acc.data(), H);
+    matmul_acc(s_tile.data(), kBlockK, v_tile.data(), Hp, live_rows, H, cols, acc.data(), Hp);
   }
 
   for (int64_t i = 0; i < rows; ++i) {
     const bool empty = i >= live_rows || row_sum[i] == 0.f;
     const float inv = empty ? 0.f : 1.f / row_sum[i];
-    store_tile(acc.data() + i * H, H, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
+    store_tile(acc.data() + i * Hp, Hp, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
     lse[i * p.lse.row_stride] = empty ? kNegInf : (row_max[i] + std::log2(row_sum[i])) * kLn2;
   }
 }

@@ -3,9 +3,9 @@
 // (bias, masking). The forward and backward kernels are written in these terms
 // so that they read like the algorithm.
 //
-// Every product keeps its innermost loop over a contiguous, unit-stride row of
-// the destination (an axpy), which the compiler vectorises without reassociating
-// float sums; that is why K is loaded transposed for Q·Kᵀ.
+// Every product keeps its vector dimension on a contiguous, unit-stride row of
+// the destination, so no float sum is reassociated (results do not depend on
+// the vector width); that is why K is loaded transposed for Q·Kᵀ.
 #pragma once
 
 #include <algorithm>
@@ -75,48 +75,144 @@ void store_zero_rows(int64_t rows, int64_t cols, T* dst, int64_t row_stride, int
     for (int64_t d = 0; d < cols; ++d) dst[i * row_stride + d * col_stride] = from_float<T>(0.f);
 }
 
-// C[m x n] = A[m x k] · Bt[k x n]  (Bt is B transposed, row-major, leading dim ldb).
+// The three products, register-blocked: each micro-kernel keeps an MR x 16
+// block of C in vector registers (8 of 16 on AVX2) and streams the reduction
+// dimension, so every loaded vector feeds MR fused multiply-adds. The 16-wide
+// dimension is always a contiguous destination row whose buffer is padded to a
+// multiple of 16 (kVec); the row-like dimensions are handled exactly, with an
+// MR = 1 remainder, because partially filled tiles hold stale rows there.
+typedef float vec8 __attribute__((vector_size(32)));
+constexpr int64_t kVec = 16;
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline int64_t round_up_vec(int64_t n) { return (n + kVec - 1) / kVec * kVec; }
+
+// C[m x n] = A[m x k] · Bt[k x n]  (Bt is B transposed, row-major). Columns of C
+// up to round_up_vec(n) are written; Bt and C must be that wide.
+template <int MR>
+inline void matmul_block(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t k,
+                         float* c, int64_t ldc) {
+  vec8 acc[MR][2] = {};
+  for (int64_t d = 0; d < k; ++d) {
+    const vec8 b0 = load8(bt + d * ldb), b1 = load8(bt + d * ldb + 8);
+    for (int r = 0; r < MR; ++r) {
+      const float ar = a[r * lda + d];
+      acc[r][0] += ar * b0;
+      acc[r][1] += ar * b1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store8(c + r * ldc, acc[r][0]);
+    store8(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
 inline void matmul(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t m, int64_t n,
                    int64_t k, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* ci = c + i * ldc;
-    std::fill(ci, ci + n, 0.f);
-    const float* ai = a + i * lda;
-    for (int64_t d = 0; d < k; ++d) {
-      const float aid = ai[d];
-      const float* bd = bt + d * ldb;
-      for (int64_t j = 0; j < n; ++j) ci[j] += aid * bd[j];
-    }
+  for (int64_t j = 0; j < n; j += kVec) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) matmul_block<4>(a + i * lda, lda, bt + j, ldb, k, c + i * ldc + j, ldc);
+    for (; i < m; ++i) matmul_block<1>(a + i * lda, lda, bt + j, ldb, k, c + i * ldc + j, ldc);
   }
 }
 
-// C[m x n] += A[m x k] · B[k x n].
+// C[m x n] += A[m x k] · B[k x n]; B and C padded to round_up_vec(n) columns.
+template <int MR>
+inline void matmul_acc_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k,
+                             float* c, int64_t ldc) {
+  vec8 acc[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = load8(c + r * ldc);
+    acc[r][1] = load8(c + r * ldc + 8);
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const vec8 b0 = load8(b + j * ldb), b1 = load8(b + j * ldb + 8);
+    for (int r = 0; r < MR; ++r) {
+      const float ar = a[r * lda + j];
+      acc[r][0] += ar * b0;
+      acc[r][1] += ar * b1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store8(c + r * ldc, acc[r][0]);
+    store8(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
 inline void matmul_acc(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
                        int64_t n, int64_t k, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* ci = c + i * ldc;
-    const float* ai = a + i * lda;
-    for (int64_t j = 0; j < k; ++j) {
-      const float aij = ai[j];
-      if (aij == 0.f) continue;  // masked probabilities are exact zeros
-      const float* bj = b + j * ldb;
-      for (int64_t d = 0; d < n; ++d) ci[d] += aij * bj[d];
-    }
+  for (int64_t d = 0; d < n; d += kVec) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) matmul_acc_block<4>(a + i * lda, lda, b + d, ldb, k, c + i * ldc + d, ldc);
+    for (; i < m; ++i) matmul_acc_block<1>(a + i * lda, lda, b + d, ldb, k, c + i * ldc + d, ldc);
   }
 }
 
-// C[k x n] += Aᵀ · B for A[m x k], B[m x n]  (dV += Pᵀ·dO, dK += dSᵀ·Q).
+// C[k x n] += Aᵀ · B for A[m x k], B[m x n]  (dV += Pᵀ·dO, dK += dSᵀ·Q); B and C
+// padded to round_up_vec(n) columns.
+template <int MR>
+inline void matmul_tn_acc_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
+                                float* c, int64_t ldc) {
+  vec8 acc[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = load8(c + r * ldc);
+    acc[r][1] = load8(c + r * ldc + 8);
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const vec8 b0 = load8(b + i * ldb), b1 = load8(b + i * ldb + 8);
+    for (int r = 0; r < MR; ++r) {
+      const float ar = a[i * lda + r];
+      acc[r][0] += ar * b0;
+      acc[r][1] += ar * b1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store8(c + r * ldc, acc[r][0]);
+    store8(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
 inline void matmul_tn_acc(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t m,
                           int64_t n, int64_t k, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* ai = a + i * lda;
-    const float* bi = b + i * ldb;
-    for (int64_t j = 0; j < k; ++j) {
-      const float aij = ai[j];
-      if (aij == 0.f) continue;
-      float* cj = c + j * ldc;
-      for (int64_t d = 0; d < n; ++d) cj[d] += aij * bi[d];
-    }
+  for (int64_t d = 0; d < n; d += kVec) {
+    int64_t j = 0;
+    for (; j + 4 <= k; j += 4) matmul_tn_acc_block<4>(a + j, lda, b + d, ldb, m, c + j * ldc + d, ldc);
+    for (; j < k; ++j) matmul_tn_acc_block<1>(a + j, lda, b + d, ldb, m, c + j * ldc + d, ldc);
+  }
+}
+
+// x[j] = 2^(x[j] - offset) for j < n, written so the compiler vectorises it
+// (std::exp2 does not, and would dominate the softmax): round to the nearest
+// integer k, 2^f for f in [-1/2, 1/2] by a degree-7 Taylor polynomial of e^(f·ln2)
+// (relative error below 1e-8, under float rounding), times 2^k built in the
+// exponent bits. -inf and anything below 2^-126 give 0; NaN stays NaN.
+inline void exp2_shifted(float* x, int64_t n, float offset) {
+  constexpr float kRound = 12582912.f;  // 1.5·2^23: (v + kRound) - kRound rounds v to an integer
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = x[j] - offset;
+    const bool nan = v != v;
+    const float c = nan ? 0.f : (v < -127.f ? -127.f : (v > 127.f ? 127.f : v));
+    const float k = (c + kRound) - kRound;
+    const float t = (c - k) * kLn2;
+    float poly = 1.f / 5040.f;
+    poly = poly * t + 1.f / 720.f;
+    poly = poly * t + 1.f / 120.f;
+    poly = poly * t + 1.f / 24.f;
+    poly = poly * t + 1.f / 6.f;
+    poly = poly * t + 0.5f;
+    poly = poly * t + 1.f;
+    poly = poly * t + 1.f;
+    const int32_t e = static_cast<int32_t>(k);
+    const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+    float scale;
+    __builtin_memcpy(&scale, &bits, 4);
+    const float r = e < -126 ? 0.f : poly * scale;
+    x[j] = nan ? v : r;
   }
 }
 
