@@ -324,7 +324,7 @@ def _flash_bwd(config, residuals, cotangents):
 
   def operand(x, slot):
     return prims.absent(slot, q.dtype) if x is None else x
-  dq, dk, dv, dbias = prims.backward_p.bind(
+  dq, dk, dv, dbias, _ = prims.backward_p.bind(
       q, k, v, operand(bias, "bias"), operand(mask, "mask"), operand(q_lens, "q_lens"),
       operand(kv_lens, "kv_lens"), out, lse, d_out.astype(out.dtype), d_lse.astype(jnp.float32),
       config=bwd_config)

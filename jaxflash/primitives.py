@@ -1,9 +1,12 @@
 """The forward and backward attention primitives.
 
 ``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens) -> (o, lse)
-``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, o, lse, d_o, dlse) -> (dq, dk, dv, dbias)
+``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, o, lse, d_o, dlse)
+                  -> (dq, dk, dv, dbias, workspace)
 
 Absent optional operands are zero-size arrays (flags say which are present).
+``workspace`` is the CUDA backward's scratch (uint8), sized here at abstract
+evaluation by the native module so the handler never allocates.
 Each primitive has an abstract evaluation, a lowering to the FFI target of the
 platform (cuda/ffi/*_handlers), and a batching rule that folds the vmapped axis
 into the kernel's instance space: one custom call per direction, whatever the
@@ -14,6 +17,7 @@ these in a later stage.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -138,14 +142,22 @@ backward_p = core.Primitive("jaxflash_bwd")
 backward_p.multiple_results = True
 
 
+DTYPE_CODES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1,
+               jnp.dtype(jnp.bfloat16): 2}  # jaxflash::DType
+
+
 def _backward_abstract_eval(q, k, v, bias, *rest, config):
   del rest
   dbias = (jax.core.ShapedArray(shape_of(config.layout("dbias")), bias.dtype)
            if config.has(HAS_DBIAS) else jax.core.ShapedArray((0,), bias.dtype))
+  T, S, H = config.seq_dims
+  workspace_bytes = _native.backward_workspace_bytes(
+      math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype)])
   return (jax.core.ShapedArray(shape_of(config.layout("dq")), q.dtype),
           jax.core.ShapedArray(shape_of(config.layout("dk")), k.dtype),
           jax.core.ShapedArray(shape_of(config.layout("dv")), v.dtype),
-          dbias)
+          dbias,
+          jax.core.ShapedArray((workspace_bytes,), jnp.uint8))
 
 
 backward_p.def_abstract_eval(_backward_abstract_eval)
@@ -167,7 +179,7 @@ def _backward_batch(args, dims, *, config):
     updates[grad] = insert_axis(config.layout(grad), d, axis)
     out_dims.append(d)
   config = config.with_layouts(updates)
-  return backward_p.bind(*args, config=config), tuple(out_dims)
+  return backward_p.bind(*args, config=config), tuple(out_dims) + (None,)  # workspace
 
 
 batching.primitive_batchers[backward_p] = _backward_batch

@@ -94,6 +94,7 @@ ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer dlse,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                        ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/,
                         ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
                         ffi::Span<const int64_t> dims, float scale, int64_t window_left, int64_t window_right,
                         int64_t flags) {
@@ -155,6 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_backward_cpu, backward_cpu,
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // dbias
+                                  .Ret<ffi::AnyBuffer>()  // workspace (CUDA scratch)
                                   .Attr<ffi::Span<const int64_t>>("instance_sizes")
                                   .Attr<ffi::Span<const int64_t>>("strides")
                                   .Attr<ffi::Span<const int64_t>>("dims")

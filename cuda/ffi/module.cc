@@ -3,6 +3,9 @@
 #include <nanobind/nanobind.h>
 
 #include "cuda/ffi/handlers.h"
+#ifdef JAXFLASH_WITH_CUDA
+#include "cuda/gpu/backward.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -29,5 +32,17 @@ NB_MODULE(_native, m) {
     targets["jaxflash_bwd"] = as_capsule(jaxflash::jaxflash_backward_cuda);
 #endif
     return targets;
+  });
+  // Scratch bytes the backward needs (its last result), sized at abstract
+  // evaluation; 0 in a CPU-only build (the CPU kernels need none).
+  m.def("backward_workspace_bytes", [](int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
+                                       int64_t head_dim, int dtype) -> int64_t {
+#ifdef JAXFLASH_WITH_CUDA
+    return jaxflash::gpu::backward_workspace_bytes(instances, seqlen_q, seqlen_k, head_dim,
+                                                   static_cast<jaxflash::DType>(dtype));
+#else
+    (void)instances, (void)seqlen_q, (void)seqlen_k, (void)head_dim, (void)dtype;
+    return 0;
+#endif
   });
 }
