@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build and install jaxflash, run the native CUDA
+# self-tests, the pytest suite (CPU and GPU backends) and the benchmark; print
+# a short table last. Logs go to $OUT (the device tool brings them back).
+#
+#   scripts/gpu_check.sh [quick|full]     (default: full)
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-/tmp/jaxflash_out}
+mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+declare -A STATUS
+
+step() {  # step NAME LOGFILE COMMAND...
+  local name=$1 log=$2; shift 2
+  local start=$SECONDS
+  "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  STATUS[$name]="rc=$rc $((SECONDS - start))s"
+  echo "== $name: rc=$rc ($((SECONDS - start))s); last lines of $log:"
+  tail -n 15 "$OUT/$log"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
+
+cd "$REPO"
+step build build.log env CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps . \
+  || { echo "build failed"; exit 1; }
+python3 -c "import jaxflash; print('backends', jaxflash.backends())" | tee -a "$OUT/device.txt"
+
+# Native self-tests of the CUDA kernels against fp64 CPU references.
+for t in fwd bwd; do
+  src=cuda/gpu/tests/${t}_selftest.cu
+  [ -f "$src" ] || continue
+  step "${t}_selftest" "${t}_selftest.log" bash -c \
+    "nvcc -std=c++17 -O3 --use_fast_math -gencode=arch=compute_90a,code=sm_90a -I. $src \
+       \$(ls cuda/gpu/*.cu cuda/gpu/instantiations/*.cu | grep -v -e '${t}_selftest') -o /tmp/${t}_selftest \
+     && /tmp/${t}_selftest"
+done
+
+# The test suite, from outside the source tree so the installed package is imported.
+cd /tmp
+PYTEST_ARGS=(-q -n 8 -p no:cacheprovider --durations=10 "$REPO/tests")
+[ "$MODE" = quick ] && PYTEST_ARGS+=(-x)
+step pytest pytest.log python3 -m pytest "${PYTEST_ARGS[@]}"
+
+if [ "$MODE" = full ] && python3 -c "import jaxflash.bench" 2>/dev/null; then
+  step bench bench.log python3 -m jaxflash.bench --out "$OUT/bench.md"
+fi
+step main_job main_job.log python3 -m jaxflash --dtype bfloat16 --seqlens 1024,4096,8192 --heads 16 --head-dim 128 --batch 2
+
+echo
+echo "==================== summary ===================="
+cat "$OUT/device.txt"
+for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done
+grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
+grep -E "PASS|FAIL" "$OUT"/*selftest.log 2>/dev/null | tail -n 20
+[ -f "$OUT/bench.md" ] && tail -n 30 "$OUT/bench.md"
