@@ -268,7 +268,7 @@ def _scale(scale, head_dim: int) -> float:
     return float(1.0 / np.sqrt(head_dim))
   try:
     value = float(scale)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(f"jaxflash.attention: scale must be a Python float (a static value, not a "
                     f"traced array), got {scale!r}") from e
   if not np.isfinite(value):

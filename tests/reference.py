@@ -1,0 +1,428 @@
+"""Reference attention, input generators and the comparison rule shared by the jaxflash tests.
+
+Every numerical test compares three results computed from the SAME rounded inputs:
+
+  ours      jaxflash.attention in the input dtype;
+  reference jax.nn.dot_product_attention(implementation="xla") in float32 at "highest" matmul
+            precision, i.e. the best answer we can compute;
+  baseline  jax.nn.dot_product_attention's XLA path in the input dtype at default precision,
+            i.e. what a user gets from jax.nn today (restated in this module, because jax.nn's
+            half-precision gradients do not compile on CPU; see _xla_path_restated).
+
+and accepts ours when its error is at most twice the baseline's error plus a small atol
+(FlashAttention's rule): we must be no worse than the thing we replace, without guessing a
+tolerance per dtype and shape.
+
+jaxflash differs from jax.nn in two documented ways that the reference applies on top of
+jax.nn (docs/CONTRACT_DRAFT.md):
+  * a query row with no visible key outputs 0 and has lse = -inf (jax.nn averages V uniformly
+    there and gives a large negative finite lse);
+  * the returned lse is differentiable (jax.nn stop-gradients it), so the reference computes
+    the lse itself.
+It also supports mask_alignment="bottom_right", which jax.nn lacks, by building that mask
+explicitly and passing it as `mask`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+# atol = ATOL_FACTOR[dtype] * max(1, max|ref|). About a quarter of the dtype's epsilon for the
+# half types (one rounding of the result to the dtype is unavoidable; the baseline term covers
+# the rest); float32 gets 1e-5 because on CPU the baseline equals the reference up to summation
+# order, so the baseline term is ~0 and atol alone has to absorb ours' accumulation order.
+ATOL_FACTOR = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 4e-3}
+
+# Tolerance (rtol, atol) for "the same kernel run two ways" (vmap versus a loop, eager versus
+# jit, flax adapters): identical up to summation order, i.e. one rounding in the dtype.
+SAME_KERNEL_TOL = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-3), "bfloat16": (8e-3, 8e-3)}
+
+GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias"}
+DIFFERENTIABLE = ("query", "key", "value", "bias")
+NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths")
+
+
+def dtype_name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def upcast_floats(tree):
+  """Floating-point leaves to float32 (bool masks and int lengths unchanged)."""
+  return jax.tree.map(
+      lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+def random_inputs(key, shape_spec: Mapping[str, tuple | None], dtype) -> dict[str, jax.Array]:
+  """Standard-normal arrays (one per named shape; None shapes are skipped) rounded to `dtype`.
+
+  Normal values, not zeros or ones: constant inputs hide indexing bugs (every row and every
+  key looks the same). The values are rounded once here, and every implementation under test
+  receives these same rounded values, so rounding the inputs is not counted as an error.
+  """
+  names = [name for name, shape in shape_spec.items() if shape is not None]
+  keys = jax.random.split(key, max(len(names), 1))
+  return {
+      name: jax.random.normal(k, tuple(shape_spec[name]), jnp.float32).astype(dtype)
+      for k, name in zip(keys, names)
+  }
+
+
+def random_mask(key, shape: tuple, *, p_visible: float = 0.8, masked_row_every: int = 5):
+  """A random bool mask (True = attend) in which every `masked_row_every`-th query row (axis -2,
+  starting at row 3 so that tiny T keep a visible row) is fully masked, so that the
+  no-visible-key path is exercised. When the mask has no query axis (size 1), the first head
+  (axis -3, if present and > 1) is fully masked instead."""
+  mask = np.array(jax.random.uniform(key, shape) < p_visible)  # a writable copy
+  if len(shape) >= 2 and shape[-2] > 1:
+    mask[..., 3::masked_row_every, :] = False
+  elif len(shape) >= 3 and shape[-3] > 1:
+    mask[..., 0, :, :] = False
+  return jnp.asarray(mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes: everything is normalised to the 4-D BTNH / BSKH / BNTS form internally.
+# --------------------------------------------------------------------------------------------
+
+def _expand_leading(x, rank=4):
+  """Adds leading unit axes up to `rank`, as jax.nn does for bias and mask."""
+  if x is None:
+    return None
+  return jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape))
+
+
+def _to_4d(query, key, value, bias, mask):
+  """BTNH (4-D), TNH (3-D: batch 1) or TH (2-D: a single head) -> 4-D operands."""
+  if query.ndim == 2:  # single head: (T, H), (S, H); bias/mask broadcastable to (T, S)
+    query, key, value = query[None, :, None, :], key[None, :, None, :], value[None, :, None, :]
+  elif query.ndim == 3:
+    query, key, value = query[None], key[None], value[None]
+  return query, key, value, _expand_leading(bias), _expand_leading(mask)
+
+
+def _normalise_window(local_window_size):
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int):
+    return (local_window_size, local_window_size)
+  return tuple(local_window_size)
+
+
+def visibility(query_shape, key_shape, mask4=None, *, is_causal=False, local_window_size=None,
+               query_seq_lengths=None, key_value_seq_lengths=None, mask_alignment="top_left"):
+  """Bool (B, N, T, S): whether key s is visible from query t, from every masking input.
+
+  Key s is visible from query t iff t < q_len, s < kv_len, the dense mask allows it, and
+  -left <= s - t - offset <= right, where causal means right = 0 and offset is 0 for
+  "top_left" (jax.nn) or kv_len - q_len for "bottom_right"; q_len and kv_len default to T and
+  S. This is the contract's definition written independently of jax.nn, and in the top-left
+  case jax.nn receives the original arguments, so the two definitions check each other.
+  """
+  B, T, N, _ = query_shape
+  S = key_shape[1]
+  q_len = (jnp.full((B,), T, jnp.int32) if query_seq_lengths is None
+           else jnp.asarray(query_seq_lengths, jnp.int32))
+  kv_len = (jnp.full((B,), S, jnp.int32) if key_value_seq_lengths is None
+            else jnp.asarray(key_value_seq_lengths, jnp.int32))
+  if mask_alignment == "bottom_right":
+    offset = kv_len - q_len
+  elif mask_alignment == "top_left":
+    offset = jnp.zeros((B,), jnp.int32)
+  else:
+    raise ValueError(f"unknown mask_alignment {mask_alignment!r}")
+  t = jnp.arange(T)[None, :, None]
+  s = jnp.arange(S)[None, None, :]
+  diagonal = s - t - offset[:, None, None]  # (B, T, S)
+  visible = (t < q_len[:, None, None]) & (s < kv_len[:, None, None])
+  if is_causal:
+    visible &= diagonal <= 0
+  window = _normalise_window(local_window_size)
+  if window is not None:
+    left, right = window
+    visible &= (diagonal >= -left) & (diagonal <= right)
+  visible = visible[:, None]  # (B, 1, T, S)
+  if mask4 is not None:
+    visible = visible & mask4
+  return jnp.broadcast_to(visible, (B, N, T, S))
+
+
+def visible_rows(query, key, mask=None, **masking):
+  """Bool array of shape query.shape[:-1]: whether each output row has at least one visible key.
+  `masking` takes the keyword arguments of jaxflash.attention that mask (is_causal, ...)."""
+  q4, k4, _, _, mask4 = _to_4d(query, key, key, None, mask)
+  rows = visibility(q4.shape, k4.shape, mask4, **masking).any(axis=-1)  # (B, N, T)
+  return jnp.reshape(jnp.transpose(rows, (0, 2, 1)), query.shape[:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# Reference and baseline
+# --------------------------------------------------------------------------------------------
+
+def _logits(q4, k4, bias4, scale, precision):
+  """float32 (B, N, T, S) logits = scale * q.k + bias, with head n reading kv head n // G as in
+  jax.nn (N is split as (K, G))."""
+  B, T, N, H = q4.shape
+  S, K = k4.shape[1], k4.shape[2]
+  grouped = jnp.reshape(q4, (B, T, K, N // K, H))
+  logits = jnp.einsum("btkgh,bskh->bkgts", grouped, k4, precision=precision,
+                      preferred_element_type=jnp.float32)
+  logits = jnp.reshape(logits, (B, N, T, S)) * jnp.float32(scale)
+  if bias4 is not None:
+    logits = logits + bias4.astype(jnp.float32)
+  return logits
+
+
+def _masked_logsumexp(logits, visible):
+  """logsumexp over the visible keys; -inf for rows with none. Differentiable everywhere: the
+  rows with no visible key are replaced by zeros before logsumexp (the double-where trick), so
+  no -inf - (-inf) reaches the gradient."""
+  row_visible = visible.any(axis=-1)
+  safe = jnp.where(visible, logits, -jnp.inf)
+  safe = jnp.where(row_visible[..., None], safe, 0.0)
+  lse = jax.nn.logsumexp(safe, axis=-1)
+  return jnp.where(row_visible, lse, -jnp.inf)
+
+
+def _xla_path_restated(q4, k4, v4, bias4, visible, scale):
+  """jax.nn's XLA path (_dot_product_attention_core) restated for the input dtype: float32
+  logits from input-dtype operands, masked with jax.nn's large negative, float32 softmax, P cast
+  to the value dtype, PV in the value dtype.
+
+  The baseline cannot call jax.nn itself for float16/bfloat16: jax.nn pins the dot algorithms
+  F16_F16_F32 / BF16_BF16_F32, which XLA:CPU rejects when the VJP is compiled ("The precision
+  'F16_F16_F32' is not supported by dot_general on CPU"), i.e. jax.nn's half-precision
+  gradients do not run on CPU at all. test_reference_is_jax_nn checks that this restatement
+  equals jax.nn where both run."""
+  B, T, N, H = q4.shape
+  S, K = k4.shape[1], k4.shape[2]
+  logits = _logits(q4, k4, bias4, scale, None)
+  large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
+  probs = jax.nn.softmax(jnp.where(visible, logits, large_negative), axis=-1).astype(v4.dtype)
+  probs = jnp.reshape(probs, (B, K, N // K, T, S))
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v4)
+  return jnp.reshape(out, (B, T, N, H))
+
+
+def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+               return_residual=False, mask_alignment="top_left", compute_dtype=None,
+               precision=None, use_jax_nn=True):
+  """jax.nn.dot_product_attention's semantics with jaxflash's conventions (module docstring).
+
+  compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
+  precision: a jax.default_matmul_precision name, or None for the default.
+  use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated.
+  """
+  in_dtype = query.dtype
+  if compute_dtype is not None:
+    query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
+    bias = None if bias is None else bias.astype(compute_dtype)
+  q4, k4, v4, bias4, mask4 = _to_4d(query, key, value, bias, mask)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q4.shape[-1])
+  masking = dict(is_causal=is_causal, local_window_size=local_window_size,
+                 query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths, mask_alignment=mask_alignment)
+  visible = visibility(q4.shape, k4.shape, mask4, **masking)
+  row_visible = jnp.transpose(visible.any(axis=-1), (0, 2, 1))  # (B, T, N)
+
+  precision_context = (jax.default_matmul_precision(precision) if precision is not None
+                       else contextlib.nullcontext())
+  with precision_context:
+    if not use_jax_nn:
+      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale)
+    else:
+      if mask_alignment == "bottom_right":
+        # jax.nn only knows top-left diagonals: hand it the complete visibility as a mask.
+        nn_mask, nn_causal, nn_window = visible, False, None
+      else:  # jax.nn's own masking arguments, so that `visibility` is checked against it
+        nn_mask, nn_causal, nn_window = mask4, is_causal, local_window_size
+      out = jax.nn.dot_product_attention(
+          q4, k4, v4, bias4, nn_mask, scale=scale, is_causal=nn_causal,
+          query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+          local_window_size=nn_window, implementation="xla")
+    # Our convention: rows with no visible key are 0. Multiplying (not jnp.where) keeps the
+    # gradient of those rows exactly 0 as well.
+    out = out * row_visible[..., None].astype(out.dtype)
+    out = jnp.reshape(out, query.shape)
+    if not return_residual:
+      return out
+    lax_precision = jax.lax.Precision.HIGHEST if precision == "highest" else None
+    lse = _masked_logsumexp(_logits(q4, k4, bias4, scale, lax_precision), visible)
+    # jaxflash returns the lse in the query dtype; the reference keeps float32 (its best
+    # answer), the baseline rounds to the input dtype like jax.nn does.
+    lse = jnp.transpose(lse, (0, 2, 1))
+    if compute_dtype is None:
+      lse = lse.astype(in_dtype)
+    return out, jnp.reshape(lse, query.shape[:-1])
+
+
+def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
+  """The best answer: jax.nn (XLA) in float32 at "highest" precision on the same rounded inputs
+  upcast to float32, with jaxflash's conventions. Takes jaxflash.attention's arguments (except
+  `implementation`); results are float32. Differentiate it with respect to upcast_floats(...)
+  of the inputs, so that its gradients are float32 too (not rounded back to the input dtype by
+  the transpose of the upcast)."""
+  return _attention(query, key, value, bias, mask, compute_dtype=jnp.float32,
+                    precision="highest", **kwargs)
+
+
+def baseline_attention(query, key, value, bias=None, mask=None, **kwargs):
+  """What a user gets from jax.nn today: its XLA path in the input dtype at default precision
+  (restated, see _xla_path_restated), with jaxflash's conventions (zero rows, lse)."""
+  return _attention(query, key, value, bias, mask, use_jax_nn=False, **kwargs)
+
+
+def restated_reference_attention(query, key, value, bias=None, mask=None, **kwargs):
+  """reference_attention computed by _xla_path_restated instead of jax.nn (for checking that
+  the restatement is jax.nn)."""
+  return _attention(query, key, value, bias, mask, compute_dtype=jnp.float32,
+                    precision="highest", use_jax_nn=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Running forward + backward
+# --------------------------------------------------------------------------------------------
+
+def forward_and_grads(attention_fn: Callable, inputs: Mapping[str, jax.Array | None],
+                      cotangent, **static_kwargs):
+  """Runs attention_fn(**inputs, **static_kwargs) under jit and its VJP with `cotangent` (the
+  output's, or (out, lse) when return_residual). Equivalent to the gradients of
+  sum(out * cotangent) (+ sum(lse * lse_cotangent)) but, unlike the sum, well defined when lse
+  is -inf. Returns (outputs, {"dq": ..., "dk": ..., "dv": ..., "dbias": ...})."""
+  differentiable = {n: inputs[n] for n in DIFFERENTIABLE if inputs.get(n) is not None}
+  fixed = {n: inputs.get(n) for n in NON_DIFFERENTIABLE}
+
+  @jax.jit
+  def run(differentiable, fixed, cotangent):
+    def f(differentiable):
+      return attention_fn(**differentiable, **fixed, **static_kwargs)
+    outputs, vjp = jax.vjp(f, differentiable)
+    # The same cotangent values for every implementation, in each one's output dtype (the
+    # reference's outputs are float32).
+    (grads,) = vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), cotangent, outputs))
+    return outputs, grads
+
+  outputs, grads = run(differentiable, fixed, cotangent)
+  return outputs, {GRAD_NAMES[n]: g for n, g in grads.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------------------------
+
+def _f32(x):
+  return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def assert_close(ours, ref, baseline, dtype, what: str, *, factor: float = 2.0,
+                 floor: float = 1.0):
+  """FlashAttention's rule: max|ours - ref| <= factor * max|baseline - ref| + atol, with
+  atol = ATOL_FACTOR[dtype] * max(floor, max|ref|); `dtype` is the compute (query) dtype.
+
+  `floor` is the magnitude of the terms a result is summed from when the result itself can
+  cancel to ~0 (a gradient through a near one-hot softmax, e.g. dk when only one key is
+  visible, is exactly 0 while its terms are not): 1 for unit-scale operands, their scale
+  otherwise.
+
+  Non-finite values: NaN or +inf in ours always fails; -inf (lse of a row with no visible key)
+  must appear in ours exactly where it appears in the reference.
+  """
+  dtype = dtype_name(dtype)
+  ours, ref, baseline = _f32(ours), _f32(ref), _f32(baseline)
+  assert ours.shape == ref.shape, f"{what}: shape {ours.shape}, expected {ref.shape}"
+  assert not np.isnan(ref).any() and not np.isposinf(ref).any(), (
+      f"{what}: the reference itself is not finite (a test bug)")
+  bad = np.isnan(ours) | np.isposinf(ours)
+  assert not bad.any(), (
+      f"{what}: {int(bad.sum())} NaN/+inf values in ours, first at "
+      f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
+  neg_inf_ours, neg_inf_ref = np.isneginf(ours), np.isneginf(ref)
+  mismatch = neg_inf_ours != neg_inf_ref
+  assert not mismatch.any(), (
+      f"{what}: -inf pattern differs from the reference at {int(mismatch.sum())} positions, "
+      f"first at {tuple(int(i) for i in np.argwhere(mismatch)[0])} "
+      f"(ours {ours[tuple(np.argwhere(mismatch)[0])]}, ref {ref[tuple(np.argwhere(mismatch)[0])]})")
+  finite = ~neg_inf_ref
+  if not finite.any():
+    return
+  with np.errstate(invalid="ignore"):  # -inf - -inf at the rows excluded by `finite`
+    err = np.where(finite, np.abs(ours - ref), 0.0)
+    base = np.abs(baseline - ref)
+  base_err = float(np.max(np.where(finite & np.isfinite(base), base, 0.0)))
+  max_ref = float(np.max(np.abs(ref[finite])))
+  atol = ATOL_FACTOR[dtype] * max(floor, max_ref)
+  worst = np.unravel_index(np.argmax(err), err.shape)
+  max_err = float(err[worst])
+  bound = factor * base_err + atol
+  assert max_err <= bound, (
+      f"{what} ({dtype}): max|ours-ref| = {max_err:.4g} at {tuple(int(i) for i in worst)} "
+      f"(ours {ours[worst]:.6g}, ref {ref[worst]:.6g}) > {factor:g} * max|baseline-ref| "
+      f"({base_err:.4g}) + atol ({atol:.4g}) = {bound:.4g}; max|ref| = {max_ref:.4g}")
+
+
+def assert_rows_zero(x, row_visible, what: str):
+  """Rows (all but the last axis) with no visible key must be exactly 0 -- not small, not NaN."""
+  x = _f32(x)
+  hidden = ~np.asarray(row_visible)
+  if not hidden.any():
+    return
+  rows = x[hidden]
+  assert np.all(rows == 0.0), (
+      f"{what}: {int(np.sum(np.any(rows != 0.0, axis=-1)))} of {int(hidden.sum())} rows with no "
+      f"visible key are not exactly 0 (max |value| {np.nanmax(np.abs(rows)):.4g}, "
+      f"NaN: {bool(np.isnan(rows).any())})")
+
+
+def assert_same_kernel(actual, expected, dtype, what: str):
+  """Two ways of running the same kernel agree to one rounding of the dtype."""
+  rtol, atol = SAME_KERNEL_TOL[dtype_name(dtype)]
+  np.testing.assert_allclose(_f32(actual), _f32(expected), rtol=rtol, atol=atol, err_msg=what)
+
+
+def assert_bitwise_equal(actual, expected, what: str):
+  a, e = np.asarray(actual), np.asarray(expected)
+  assert a.shape == e.shape and a.dtype == e.dtype, f"{what}: {a.shape} {a.dtype} vs {e.shape} {e.dtype}"
+  assert a.tobytes() == e.tobytes(), (
+      f"{what}: not bitwise equal; max |difference| "
+      f"{np.nanmax(np.abs(a.astype(np.float32) - e.astype(np.float32))):.4g}")
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled HLO inspection
+# --------------------------------------------------------------------------------------------
+
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+# An HLO instruction whose opcode is transpose or copy: "%x = f32[..]{..} transpose(...".
+_TRANSPOSE_OR_COPY = re.compile(r"= \S+ (transpose|copy)\(")
+
+
+def custom_call_targets(hlo_text: str) -> list[str]:
+  return _CUSTOM_CALL_TARGET.findall(hlo_text)
+
+
+def count_custom_calls(hlo_text: str, name: str) -> int:
+  """Custom-call instructions whose target contains `name` (metadata that merely mentions the
+  name, such as op_name, is not counted)."""
+  return sum(name in target for target in custom_call_targets(hlo_text))
+
+
+def transpose_or_copy_lines(hlo_text: str) -> list[str]:
+  return [line.strip() for line in hlo_text.splitlines() if _TRANSPOSE_OR_COPY.search(line)]
+
+
+def compiled_hlo(fn, *args) -> str:
+  return jax.jit(fn).lower(*args).compile().as_text()

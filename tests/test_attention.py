@@ -1,0 +1,296 @@
+"""Numerical tests of jaxflash.attention against jax.nn: forward, dq, dk, dv, dbias and lse, on
+every backend present (see conftest.py), through one parametrized test body.
+
+The grid is not a full cartesian product (that would take hours): every masking feature runs
+over all sequence-length pairs (shape/layout features over a few), while the dtype and head dim
+rotate with the pair so that each feature still meets every dtype and several head dims; a
+separate dtype x head-dim grid covers every kernel instantiation on one awkward shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+import reference
+from reference import assert_close, assert_rows_zero
+
+DTYPES = ("float32", "float16", "bfloat16")
+HEAD_DIMS = (32, 40, 59, 64, 96, 128, 256)  # 59: odd, not a multiple of any vector width
+
+# (T, S) pairs: single query / single key, lengths that are not multiples of any block size,
+# T < S and T > S (where top-left and bottom-right alignments differ), one exact 2^k square-ish.
+SEQLENS = ((1, 1), (1, 37), (113, 203), (128, 217), (255, 256), (512, 128), (37, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One call of jaxflash.attention. Operand shapes: query BTNH (or TNH / TH per `layout`),
+  key/value BSKH. `bias`/`mask` spell the operand's axes over "BNTS" with "1" for a broadcast
+  axis (e.g. "B11S"); their rank is the string's length."""
+  dtype: str = "bfloat16"
+  batch: int = 2
+  q_len: int = 113
+  kv_len: int = 203
+  num_heads: int = 2
+  num_kv_heads: int = 2
+  head_dim: int = 64
+  layout: str = "BTNH"  # "BTNH", "TNH" (no batch axis) or "TH" (a single head)
+  is_causal: bool = False
+  window: int | tuple[int, int] | None = None
+  alignment: str = "top_left"
+  bias: str | None = None
+  bias_dtype: str | None = None  # None: the query dtype
+  mask: str | None = None
+  q_lengths: bool = False
+  kv_lengths: bool = False
+  scale: float | None = None
+  return_residual: bool = False
+  input_scale: float = 1.0  # q and k are multiplied by it (large logits)
+  bias_neg_inf: bool = False  # ~10% of the bias entries (never key 0) are -inf
+  lengths_out_of_range: bool = False  # lengths above T/S and negative (jax.nn clamps)
+
+  def axis_sizes(self):
+    return dict(B=self.batch, N=self.num_heads, T=self.q_len, S=self.kv_len)
+
+  def operand_shapes(self):
+    B, T, S = self.batch, self.q_len, self.kv_len
+    N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+    if self.layout == "BTNH":
+      return (B, T, N, H), (B, S, K, H)
+    if self.layout == "TNH":
+      return (T, N, H), (S, K, H)
+    assert self.layout == "TH" and N == K == 1
+    return (T, H), (S, H)
+
+  def broadcast_shape(self, spec):
+    sizes = self.axis_sizes()
+    return tuple(1 if axis == "1" else sizes[axis] for axis in spec)
+
+  def seq_lengths(self):
+    """Per-batch lengths: a full/half-padded entry, a fully padded entry (no key, or no query
+    at all), so that both 'output 0' paths are exercised. Needs batch == 3."""
+    T, S = self.q_len, self.kv_len
+    if self.lengths_out_of_range:
+      q, kv = np.array([T + 3, -2, T], np.int32), np.array([S + 7, S, -1], np.int32)
+    else:
+      q = np.array([T, math.ceil(T / 2), 0], np.int32)
+      kv = np.array([math.ceil(S / 2), 0, S], np.int32)
+    return (jnp.asarray(q) if self.q_lengths else None,
+            jnp.asarray(kv) if self.kv_lengths else None)
+
+  def static_kwargs(self):
+    kwargs = dict(is_causal=self.is_causal, local_window_size=self.window,
+                  scale=self.scale, return_residual=self.return_residual)
+    if self.alignment != "top_left":  # keep the jax.nn-compatible call when possible
+      kwargs["mask_alignment"] = self.alignment
+    return kwargs
+
+
+# Features (overrides of Case). Masking features depend on positions, so they run on every
+# (T, S) pair in SEQLENS; the others (operand shapes, dtypes, layouts) on SEQLENS_FEW.
+POSITIONAL_FEATURES = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "window_8": dict(window=8),
+    "window_0_0": dict(window=(0, 0)),
+    "window_5_0": dict(window=(5, 0)),
+    "window_0_7": dict(window=(0, 7)),
+    "causal_window_16": dict(is_causal=True, window=(16, 16)),
+    "q_and_kv_lengths": dict(batch=3, q_lengths=True, kv_lengths=True),
+    "q_lengths": dict(batch=3, q_lengths=True),
+    "kv_lengths_causal": dict(batch=3, kv_lengths=True, is_causal=True),
+    "mask_BNTS": dict(mask="BNTS"),
+    "mask_B1TS": dict(mask="B1TS"),
+    "mask_1N1S": dict(mask="1N1S"),
+    "bias_mask_causal": dict(bias="BNTS", mask="B1TS", is_causal=True),
+    "residual_mask_lengths": dict(return_residual=True, mask="BNTS", batch=3, q_lengths=True,
+                                  kv_lengths=True),
+    "bottom_right_causal": dict(alignment="bottom_right", is_causal=True),
+    "bottom_right_window_5_0": dict(alignment="bottom_right", window=(5, 0)),
+    "bottom_right_causal_lengths": dict(alignment="bottom_right", is_causal=True, batch=3,
+                                        q_lengths=True, kv_lengths=True, return_residual=True),
+    "everything": dict(num_heads=4, num_kv_heads=2, bias="1NTS", mask="B1TS", is_causal=True,
+                       window=(40, 3), batch=3, q_lengths=True, kv_lengths=True,
+                       return_residual=True, alignment="bottom_right", scale=0.2),
+}
+SEQLENS_FEW = ((1, 37), (128, 217), (512, 128))
+SHAPE_FEATURES = {
+    "gqa_4_2": dict(num_heads=4, num_kv_heads=2),
+    "mqa_4_1": dict(num_heads=4, num_kv_heads=1, is_causal=True),
+    "mask_TS_rank2": dict(mask="TS"),
+    "bias_BNTS": dict(bias="BNTS"),
+    "bias_1NTS": dict(bias="1NTS"),
+    "bias_B11S": dict(bias="B11S"),
+    "bias_11T1": dict(bias="11T1"),
+    # jax.nn adds any bias dtype to float32 logits; a drop-in must accept a float32 bias with
+    # half-precision q/k/v (and return a float32 dbias).
+    "bias_float32": dict(bias="1NTS", bias_dtype="float32"),
+    "residual": dict(return_residual=True),
+    "layout_TNH": dict(layout="TNH", mask="NTS"),
+    "layout_TNH_gqa_bias_causal": dict(layout="TNH", num_heads=4, num_kv_heads=2, bias="NTS",
+                                       is_causal=True),
+    "layout_TH": dict(layout="TH", num_heads=1, num_kv_heads=1),
+    "layout_TH_bias_mask_causal": dict(layout="TH", num_heads=1, num_kv_heads=1, bias="TS",
+                                       mask="TS", is_causal=True),
+    "explicit_scale": dict(scale=0.3),
+    # Logits of several hundred: exp overflows unless the running max is subtracted.
+    "large_logits": dict(input_scale=16.0, is_causal=True),
+    # An additive -inf mask in the bias (partial rows): no NaN from inf - inf, dbias 0 there.
+    "bias_with_neg_inf": dict(bias="BNTS", bias_neg_inf=True),
+    "lengths_out_of_range": dict(batch=3, q_lengths=True, kv_lengths=True,
+                                 lengths_out_of_range=True),
+}
+# Zero-size sequence axes (the kernels see null data pointers).
+SEQLENS_EMPTY = ((0, 5), (5, 0), (0, 0))
+EMPTY_FEATURES = {
+    "empty": {},
+    "empty_bias_causal_residual": dict(bias="BNTS", is_causal=True, return_residual=True),
+}
+
+
+def _case_id(name, case):
+  return f"{name}-T{case.q_len}-S{case.kv_len}-{case.dtype}-h{case.head_dim}"
+
+
+def _feature_cases():
+  """Features x sequence-length pairs, with the dtype and head dim rotating along both so that
+  every feature meets every dtype and several head dims."""
+  params = []
+  groups = ((POSITIONAL_FEATURES, SEQLENS), (SHAPE_FEATURES, SEQLENS_FEW),
+            (EMPTY_FEATURES, SEQLENS_EMPTY))
+  i = 0
+  for features, seqlens in groups:
+    for name, overrides in features.items():
+      for j, (T, S) in enumerate(seqlens):
+        dtype = DTYPES[(i + j) % len(DTYPES)]
+        if overrides.get("bias_dtype") == "float32" and dtype == "float32":
+          dtype = "bfloat16"  # the point of that feature is a bias dtype != query dtype
+        case = Case(q_len=T, kv_len=S, dtype=dtype,
+                    head_dim=HEAD_DIMS[(i + j) % len(HEAD_DIMS)], **overrides)
+        params.append(pytest.param(case, id=_case_id(name, case)))
+      i += 1
+  return params
+
+
+def _dtype_head_dim_cases():
+  """Every (dtype, head dim) kernel instantiation on one shape with ragged lengths; every other
+  one with a bias, a mask and causal masking so that the tile-skipping and masking paths run
+  in every instantiation family too."""
+  params = []
+  for i, dtype in enumerate(DTYPES):
+    for j, head_dim in enumerate(HEAD_DIMS):
+      name, overrides = (("plain", {}) if (i + j) % 2 == 0 else
+                         ("bias_mask_causal", dict(bias="1NTS", mask="B1TS", is_causal=True)))
+      case = Case(dtype=dtype, head_dim=head_dim, q_len=128, kv_len=217, **overrides)
+      params.append(pytest.param(case, id="kernel-" + _case_id(name, case)))
+  return params
+
+
+def make_inputs(case: Case, key):
+  """Rounded random operands, mask, lengths and cotangent(s) for `case`."""
+  q_shape, kv_shape = case.operand_shapes()
+  dtype = jnp.dtype(case.dtype)
+  k_float, k_bias, k_mask, k_ct = jax.random.split(key, 4)
+  inputs = reference.random_inputs(k_float, dict(query=q_shape, key=kv_shape, value=kv_shape),
+                                   jnp.float32)
+  for name in ("query", "key"):
+    inputs[name] = inputs[name] * case.input_scale
+  inputs = {name: x.astype(dtype) for name, x in inputs.items()}  # rounded once, here
+  inputs["bias"] = None
+  if case.bias is not None:
+    bias_dtype = jnp.dtype(case.bias_dtype or case.dtype)
+    bias = reference.random_inputs(k_bias, dict(bias=case.broadcast_shape(case.bias)),
+                                   bias_dtype)["bias"]
+    if case.bias_neg_inf:
+      s = jnp.arange(bias.shape[-1])
+      hidden = (jax.random.uniform(jax.random.fold_in(k_bias, 1), bias.shape) < 0.1) & (s > 0)
+      bias = jnp.where(hidden, -jnp.inf, bias).astype(bias_dtype)
+    inputs["bias"] = bias
+  inputs["mask"] = (reference.random_mask(k_mask, case.broadcast_shape(case.mask))
+                    if case.mask is not None else None)
+  inputs["query_seq_lengths"], inputs["key_value_seq_lengths"] = case.seq_lengths()
+  cotangents = reference.random_inputs(k_ct, dict(out=q_shape, lse=q_shape[:-1]), dtype)
+  cotangent = ((cotangents["out"], cotangents["lse"]) if case.return_residual
+               else cotangents["out"])
+  return inputs, cotangent
+
+
+ALL_CASES = _feature_cases() + _dtype_head_dim_cases()
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_attention_matches_reference(case: Case, backend, device):
+  inputs, cotangent = jax.device_put(make_inputs(case, jax.random.key(0)), device)
+  static = case.static_kwargs()
+
+  ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+  ref, ref_grads = reference.forward_and_grads(
+      reference.reference_attention, reference.upcast_floats(inputs), cotangent, **static)
+  base, base_grads = reference.forward_and_grads(reference.baseline_attention, inputs, cotangent,
+                                                 **static)
+
+  query = inputs["query"]
+  if case.return_residual:
+    (ours_out, ours_lse), (ref_out, ref_lse), (base_out, base_lse) = ours, ref, base
+  else:
+    ours_out, ref_out, base_out = ours, ref, base
+
+  # Shapes, dtypes and placement are part of the drop-in contract.
+  assert ours_out.shape == query.shape and ours_out.dtype == query.dtype
+  assert ours_out.devices() == {device}, f"output on {ours_out.devices()}, expected {device}"
+  for operand_name, name in reference.GRAD_NAMES.items():
+    if name in ours_grads:
+      grad, operand = ours_grads[name], inputs[operand_name]
+      assert grad.shape == operand.shape and grad.dtype == operand.dtype, (
+          f"{name}: {grad.shape} {grad.dtype}, expected {operand.shape} {operand.dtype}")
+
+  # Scaled q and k scale dk and dq (and their rounding noise) by the same factor.
+  floor = case.input_scale
+  assert_close(ours_out, ref_out, base_out, case.dtype, "out", floor=floor)
+  if case.return_residual:
+    assert ours_lse.shape == query.shape[:-1] and ours_lse.dtype == query.dtype, (
+        f"lse: {ours_lse.shape} {ours_lse.dtype}, expected {query.shape[:-1]} {query.dtype}")
+    assert_close(ours_lse, ref_lse, base_lse, case.dtype, "lse", floor=floor)
+  for name in ref_grads:
+    assert_close(ours_grads[name], ref_grads[name], base_grads[name], case.dtype, name,
+                 floor=floor)
+
+  # Rows with no visible key: exactly 0 (not merely small, never NaN), and so is their dq.
+  rows = reference.visible_rows(
+      query, inputs["key"], inputs["mask"], is_causal=case.is_causal,
+      local_window_size=case.window, query_seq_lengths=inputs["query_seq_lengths"],
+      key_value_seq_lengths=inputs["key_value_seq_lengths"], mask_alignment=case.alignment)
+  assert_rows_zero(ours_out, rows, "out")
+  assert_rows_zero(ours_grads["dq"], rows, "dq")
+
+
+REFERENCE_SELF_CHECK = ("causal", "window_5_0", "window_0_7", "q_and_kv_lengths", "mask_1N1S",
+                        "bias_mask_causal", "bottom_right_causal_lengths", "everything")
+
+
+@pytest.mark.parametrize("feature", REFERENCE_SELF_CHECK)
+def test_reference_is_jax_nn(feature):
+  """The test's own machinery: the restated XLA path (the baseline's math, masked by
+  reference.visibility) equals jax.nn called with its own masking arguments, in float32, on a
+  T > S shape with GQA. This pins `visibility` (used for the zero-row convention and the lse)
+  to jax.nn's masking, and the baseline to jax.nn's algorithm."""
+  case = Case(dtype="float32", q_len=45, kv_len=30,
+              **{**POSITIONAL_FEATURES[feature], "num_heads": 4, "num_kv_heads": 2})
+  inputs, cotangent = make_inputs(case, jax.random.key(1))
+  static = case.static_kwargs()
+  jax_nn, jax_nn_grads = reference.forward_and_grads(reference.reference_attention, inputs,
+                                                     cotangent, **static)
+  restated, restated_grads = reference.forward_and_grads(reference.restated_reference_attention,
+                                                         inputs, cotangent, **static)
+  for name, a, b in zip(("out", "lse"), jax.tree.leaves(restated), jax.tree.leaves(jax_nn)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+  for name in jax_nn_grads:
+    np.testing.assert_allclose(np.asarray(restated_grads[name]), np.asarray(jax_nn_grads[name]),
+                               rtol=1e-5, atol=1e-5, err_msg=name)

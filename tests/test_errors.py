@@ -1,0 +1,103 @@
+"""Bad inputs raise ValueError/TypeError at trace time, and the message names the offending
+argument and what was given (so a user can fix the call without reading jaxflash's source).
+
+Each case is a valid call with exactly one thing changed, given as overrides of VALID.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+
+B, T, S, N, K, H = 2, 8, 12, 4, 2, 16
+
+
+def _array(shape, dtype=np.float32):
+  # NumPy, not jax arrays: the cases are built at import (collection) time, before the backend
+  # fixture chooses a device, and must not initialise a GPU then.
+  return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+
+
+def _valid():
+  return dict(query=_array((B, T, N, H)), key=_array((B, S, K, H)), value=_array((B, S, K, H)))
+
+
+# name -> (overrides of the valid call, argument-name pattern, patterns for what was given).
+# The argument pattern allows the natural alternatives (e.g. a head-dim mismatch may be
+# reported on query or on key); every "given" pattern must appear in the message.
+ERROR_CASES = {
+    "query_rank_5": (dict(query=_array((1, B, T, N, H))), r"query", [r"5|\(1, 2, 8, 4, 16\)"]),
+    "query_rank_1": (dict(query=_array((H,))), r"query", [r"\b1\b|\(16,\)"]),
+    "key_rank_mismatch": (dict(key=_array((S, K, H)), value=_array((S, K, H))), r"key|query",
+                          [r"3|\(12, 2, 16\)"]),
+    "dtype_mismatch_query_key": (dict(query=_array((B, T, N, H), np.float16)), r"query|key",
+                                 [r"float16", r"float32"]),
+    "dtype_mismatch_key_value": (dict(value=_array((B, S, K, H), jnp.bfloat16)), r"value|key",
+                                 [r"bfloat16"]),
+    "integer_inputs": (dict(query=_array((B, T, N, H), np.int32),
+                            key=_array((B, S, K, H), np.int32),
+                            value=_array((B, S, K, H), np.int32)), r"query", [r"int32"]),
+    "head_dim_mismatch": (dict(key=_array((B, S, K, 32)), value=_array((B, S, K, 32))),
+                          r"query|key|head", [r"16", r"32"]),
+    "heads_not_multiple_of_kv_heads": (dict(key=_array((B, S, 3, H)), value=_array((B, S, 3, H))),
+                                       r"head", [r"4", r"3"]),
+    "head_dim_above_256": (dict(query=_array((B, T, N, 320)), key=_array((B, S, K, 320)),
+                                value=_array((B, S, K, 320))), r"head|query", [r"320"]),
+    "batch_mismatch": (dict(key=_array((3, S, K, H)), value=_array((3, S, K, H))),
+                       r"batch|query|key", [r"2", r"3"]),
+    "seq_mismatch_key_value": (dict(value=_array((B, S + 1, K, H))), r"value|key", [r"13"]),
+    "kv_heads_mismatch_key_value": (dict(value=_array((B, S, 1, H))), r"value|key", [r"1"]),
+    "bias_not_broadcastable": (dict(bias=_array((1, 1, T - 1, S))), r"bias", [r"7"]),
+    "bias_rank_5": (dict(bias=_array((1, 1, 1, T, S))), r"bias", [r"5|\(1, 1, 1, 8, 12\)"]),
+    "mask_not_bool": (dict(mask=np.ones((B, 1, T, S), np.float32)), r"mask", [r"float32"]),
+    "mask_int": (dict(mask=np.ones((B, 1, T, S), np.int32)), r"mask", [r"int32"]),
+    "mask_not_broadcastable": (dict(mask=np.ones((B, 1, T, S - 1), bool)), r"mask", [r"11"]),
+    "query_seq_lengths_wrong_shape": (dict(query_seq_lengths=np.array([1, 2, 3], np.int32)),
+                                      r"query_seq_lengths", [r"3"]),
+    "key_value_seq_lengths_rank_2": (
+        dict(key_value_seq_lengths=np.ones((B, 1), np.int32)), r"key_value_seq_lengths",
+        [r"\(2, 1\)"]),
+    "query_seq_lengths_float": (dict(query_seq_lengths=np.array([1.0, 2.0], np.float32)),
+                                r"query_seq_lengths", [r"float32"]),
+    "key_value_seq_lengths_float": (dict(key_value_seq_lengths=np.array([1.0, 2.0], np.float32)),
+                                    r"key_value_seq_lengths", [r"float32"]),
+    "window_negative_int": (dict(local_window_size=-1), r"local_window_size", [r"-1"]),
+    "window_negative_in_tuple": (dict(local_window_size=(3, -2)), r"local_window_size",
+                                 [r"-2"]),
+    "window_tuple_length_3": (dict(local_window_size=(1, 2, 3)), r"local_window_size",
+                              [r"\(1, 2, 3\)|3"]),
+    "implementation_cudnn": (dict(implementation="cudnn"), r"implementation", [r"cudnn"]),
+    "implementation_xla": (dict(implementation="xla"), r"implementation", [r"xla"]),
+    "mask_alignment_middle": (dict(mask_alignment="middle"), r"mask_alignment", [r"middle"]),
+    "scale_not_a_number": (dict(scale="large"), r"scale", [r"large"]),
+}
+
+
+@pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_bad_input_raises_naming_argument(name, under_jit, backend):
+  overrides, argument, given = ERROR_CASES[name]
+  call = dict(_valid(), **overrides)
+  arrays = {k: v for k, v in call.items() if isinstance(v, (jax.Array, np.ndarray))}
+  options = {k: v for k, v in call.items() if k not in arrays}
+  fn = lambda **arrays: jaxflash.attention(**arrays, **options)
+  if under_jit:  # the checks must run at trace time, not only on concrete values
+    fn = jax.jit(fn)
+  with pytest.raises((ValueError, TypeError)) as excinfo:
+    jax.block_until_ready(fn(**arrays))
+  message = str(excinfo.value)
+  assert re.search(argument, message), f"message does not name {argument!r}: {message!r}"
+  for pattern in given:
+    assert re.search(pattern, message), f"message does not show {pattern!r}: {message!r}"
+
+
+def test_valid_call_does_not_raise(backend):
+  """The base of every case above is valid: each error comes from its one change."""
+  out = jaxflash.attention(**_valid())
+  assert out.shape == (B, T, N, H)

@@ -1,0 +1,127 @@
+"""jaxflash as the attention_fn of Flax's attention modules (nnx.MultiHeadAttention and
+linen.MultiHeadDotProductAttention), under jit: outputs and gradients (w.r.t. the parameters and
+the inputs) match the modules' default attention_fn.
+
+Same rule as test_attention: ours = the module with jaxflash in `dtype`; baseline = the module
+with its default attention_fn in `dtype`; reference = the default module computing in float32
+at "highest" precision on the same rounded inputs and parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import linen, nnx
+
+import jaxflash
+import reference
+
+BATCH, LENGTH, FEATURES, NUM_HEADS, QKV_FEATURES = 2, 24, 32, 4, 64  # head dim 16
+
+
+def jaxflash_attention_fn(query, key, value, bias=None, mask=None, *, dropout_rate=0.0,
+                          deterministic=True, is_causal=False, **unused):
+  """Temporary adapter from Flax's attention_fn convention to jaxflash.attention (a proper one
+  comes later). The keyword arguments are named, not only **unused, because linen passes only
+  the arguments that the function's signature names; nnx passes all of them (dropout_rng,
+  broadcast_dropout, dtype, precision, module, ...), which jaxflash does not need."""
+  assert dropout_rate == 0.0 or deterministic, "jaxflash has no attention dropout"
+  if mask is not None and mask.dtype != jnp.bool_:
+    # Flax masks default to float32 (make_causal_mask(dtype=float32)) and mean "nonzero =
+    # attend"; Flax's own dot_product_attention converts them the same way.
+    mask = mask.astype(jnp.bool_)
+  return jaxflash.attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal)
+
+
+def _causal_mask(api, dtype):
+  return api.make_causal_mask(jnp.ones((BATCH, LENGTH)), dtype=dtype)  # (B, 1, T, T)
+
+
+# Each: the module's call arguments besides the input (mask from the module API's own helper).
+MASKINGS = {
+    "no_mask": lambda api: {},
+    "causal_mask_float": lambda api: dict(mask=_causal_mask(api, jnp.float32)),
+    "causal_mask_bool": lambda api: dict(mask=_causal_mask(api, jnp.bool_)),
+}
+
+
+def _nnx_runner(attention_fn, dtype, call_kwargs):
+  """(params, apply(params, x)) for nnx.MultiHeadAttention; the same seed gives every variant
+  the same float32 parameters."""
+  model = nnx.MultiHeadAttention(num_heads=NUM_HEADS, in_features=FEATURES,
+                                 qkv_features=QKV_FEATURES, dtype=dtype, decode=False,
+                                 attention_fn=attention_fn, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+
+  def apply(params, x):
+    return nnx.merge(graphdef, params)(x, decode=False, **call_kwargs)
+
+  return params, apply
+
+
+def _linen_runner(attention_fn, dtype, call_kwargs):
+  module = linen.MultiHeadDotProductAttention(num_heads=NUM_HEADS, qkv_features=QKV_FEATURES,
+                                              dtype=dtype, decode=False,
+                                              attention_fn=attention_fn)
+  # Initialise with the default attention so that every variant gets identical parameters.
+  params = module.clone(attention_fn=linen.dot_product_attention).init(
+      jax.random.key(0), jnp.zeros((BATCH, LENGTH, FEATURES)), **call_kwargs)
+
+  def apply(params, x):
+    return module.apply(params, x, deterministic=True, **call_kwargs)
+
+  return params, apply
+
+
+RUNNERS = {"nnx": (nnx, _nnx_runner, nnx.dot_product_attention),
+           "linen": (linen, _linen_runner, linen.dot_product_attention)}
+
+
+def _forward_and_grads(runner, attention_fn, dtype, call_kwargs, x, cotangent, precision=None):
+  params, apply = runner(attention_fn, dtype, call_kwargs)
+
+  @jax.jit
+  def run(params, x):
+    out, vjp = jax.vjp(apply, params, x)
+    d_params, dx = vjp(cotangent)
+    return out, d_params, dx
+
+  if precision is None:
+    return params, run(params, x)
+  with jax.default_matmul_precision(precision):
+    return params, run(params, x)
+
+
+CASES = [(api, masking, dtype)
+         for api in RUNNERS for masking in MASKINGS for dtype in ("float32", "bfloat16")]
+CASES += [("nnx", "is_causal", dtype) for dtype in ("float32", "bfloat16")]  # nnx-only argument
+
+
+@pytest.mark.parametrize("api,masking,dtype", CASES,
+                         ids=[f"{a}-{m}-{d}" for a, m, d in CASES])
+def test_flax_module_with_jaxflash_matches_default(api, masking, dtype, backend, device):
+  flax_api, runner, default_fn = RUNNERS[api]
+  call_kwargs = dict(is_causal=True) if masking == "is_causal" else MASKINGS[masking](flax_api)
+  inputs = reference.random_inputs(jax.random.key(1), dict(x=(BATCH, LENGTH, FEATURES),
+                                                           ct=(BATCH, LENGTH, FEATURES)), dtype)
+  x, cotangent = jax.device_put((inputs["x"], inputs["ct"]), device)
+
+  params, ours = _forward_and_grads(runner, jaxflash_attention_fn, dtype, call_kwargs, x,
+                                    cotangent)
+  ref_params, ref = _forward_and_grads(runner, default_fn, jnp.float32, call_kwargs,
+                                       x.astype(jnp.float32), cotangent.astype(jnp.float32),
+                                       precision="highest")
+  _, base = _forward_and_grads(runner, default_fn, dtype, call_kwargs, x, cotangent)
+  for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    reference.assert_bitwise_equal(p, r, "the variants must share parameters")
+
+  (ours_out, ours_dparams, ours_dx), (ref_out, ref_dparams, ref_dx), (base_out, base_dparams,
+                                                                      base_dx) = ours, ref, base
+  assert ours_out.shape == x.shape and ours_out.dtype == x.dtype
+  reference.assert_close(ours_out, ref_out, base_out, dtype, "out")
+  reference.assert_close(ours_dx, ref_dx, base_dx, dtype, "d inputs")
+  ours_leaves = jax.tree_util.tree_leaves_with_path(ours_dparams)
+  for (path, o), r, b in zip(ours_leaves, jax.tree.leaves(ref_dparams),
+                             jax.tree.leaves(base_dparams)):
+    reference.assert_close(o, r, b, dtype, f"d{jax.tree_util.keystr(path)}")

@@ -1,0 +1,416 @@
+"""jaxflash.attention under JAX transformations: jit, eval_shape, checkpoint, vmap (every way the
+contract intends it to be called: vmapping a single-head (T, H) call over heads and batch), the
+compiled HLO of vmapped calls (one kernel, no layout copies), determinism, and the
+differentiation modes that are not supported (which must raise, never return zeros).
+
+vmap results are compared with a Python loop of per-item calls (`loop_vmap`), i.e. the same
+kernel on the same data; only the summation order may differ, so the tolerance is one rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+import reference
+from reference import assert_bitwise_equal, assert_same_kernel
+
+T, S, H = 40, 72, 32  # small, ragged (not multiples of a tile) and T != S
+B, N, E = 2, 4, 3  # batch, heads, an extra leading axis
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+def loop_vmap(fn, in_axes=0, out_axes=0):
+  """jax.vmap semantics by a Python loop: call `fn` on each slice and stack the results.
+  `out_axes` is one axis for every output leaf, or a tuple with one axis per element of a
+  tuple-valued `fn`."""
+
+  def looped(*args):
+    axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+    sizes = {leaf.shape[axis] for x, axis in zip(args, axes) if axis is not None
+             for leaf in jax.tree.leaves(x)}
+    assert len(sizes) == 1, sizes
+
+    def item(i):
+      return fn(*(x if axis is None else jax.tree.map(lambda a: jnp.take(a, i, axis=axis), x)
+                  for x, axis in zip(args, axes)))
+
+    items = [item(i) for i in range(sizes.pop())]
+    if isinstance(out_axes, (tuple, list)):
+      return tuple(jnp.stack([it[j] for it in items], axis=axis)
+                   for j, axis in enumerate(out_axes))
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=out_axes), *items)
+
+  return looped
+
+
+def attention_of(names, **static):
+  """jaxflash.attention taking the operands named in `names` positionally (so that vmap's
+  in_axes can address each of them)."""
+  return lambda *operands: jaxflash.attention(**dict(zip(names, operands)), **static)
+
+
+@dataclasses.dataclass(frozen=True)
+class VmapCase:
+  """`operands` maps each positional operand of the attention call (jaxflash.attention's
+  argument names) to the shape of the full, batched array (a bool mask for "mask", int32 lengths
+  for *_seq_lengths). `layers` are (in_axes, out_axes) from the innermost vmap outwards."""
+  operands: dict
+  layers: tuple
+  static: dict = dataclasses.field(default_factory=dict)
+
+  def build(self, vmap):
+    fn = attention_of(tuple(self.operands), **self.static)
+    for in_axes, out_axes in self.layers:
+      fn = vmap(fn, in_axes=in_axes, out_axes=out_axes)
+    return fn
+
+  def inputs(self, key, dtype):
+    arrays = []
+    for i, (name, shape) in enumerate(self.operands.items()):
+      k = jax.random.fold_in(key, i)
+      if name == "mask":
+        arrays.append(reference.random_mask(k, shape))
+      elif name.endswith("seq_lengths"):
+        limit = T if name == "query_seq_lengths" else S
+        arrays.append(jax.random.randint(k, shape, 0, limit + 1, jnp.int32))
+      else:
+        arrays.append(reference.random_inputs(k, {name: shape}, dtype)[name])
+    return arrays
+
+  @property
+  def differentiable(self):
+    return tuple(i for i, name in enumerate(self.operands) if name in reference.DIFFERENTIABLE)
+
+
+VMAP_CASES = {
+    # Single-head (T, H) calls vmapped over the heads of a TNH array.
+    "heads_axis1": VmapCase(dict(query=(T, N, H), key=(S, N, H), value=(S, N, H)),
+                            layers=((1, 1),)),
+    "heads_axis_minus2": VmapCase(dict(query=(T, N, H), key=(S, N, H), value=(S, N, H)),
+                                  layers=((-2, -2),)),
+    # ... then over batch: BTNH in, BTNH out (heads innermost).
+    "heads_then_batch": VmapCase(dict(query=(B, T, N, H), key=(B, S, N, H), value=(B, S, N, H)),
+                                 layers=((1, 1), (0, 0))),
+    # ... batch innermost, the outer vmap over axis 2 (heads) of BTNH.
+    "batch_then_heads_axis2": VmapCase(
+        dict(query=(B, T, N, H), key=(B, S, N, H), value=(B, S, N, H)),
+        layers=((0, 0), (2, 2))),
+    # K/V not batched: every head reads the same K/V, i.e. multi-query attention.
+    "kv_unbatched_mqa": VmapCase(dict(query=(T, N, H), key=(S, H), value=(S, H)),
+                                 layers=(((1, None, None), 1),)),
+    # Batched K/V per batch entry, shared across heads: MQA inside each batch entry.
+    "kv_shared_over_heads_then_batch": VmapCase(
+        dict(query=(B, T, N, H), key=(B, S, H), value=(B, S, H)),
+        layers=(((1, None, None), 1), (0, 0))),
+    # A bias and a mask shared (unbatched) by every head.
+    "shared_bias_and_mask": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H), bias=(T, S), mask=(T, S)),
+        layers=(((1, 1, 1, None, None), 1),), static=dict(is_causal=True)),
+    # A per-head bias (batched on its own axis 0) with a shared mask.
+    "per_head_bias_shared_mask": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H), bias=(N, T, S), mask=(T, S)),
+        layers=(((1, 1, 1, 0, None), 1),)),
+    # Masking options and the residual under vmap.
+    "heads_causal_window_residual": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H)), layers=((1, 1),),
+        static=dict(is_causal=True, local_window_size=(9, 2), return_residual=True)),
+    "heads_bottom_right_causal": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H)), layers=((1, 1),),
+        static=dict(is_causal=True, mask_alignment="bottom_right")),
+    # Heads-major (N, T, H) operands: the vmapped axis is the outermost one.
+    "heads_axis0_BNTH": VmapCase(dict(query=(N, T, H), key=(N, S, H), value=(N, S, H)),
+                                 layers=((0, 0),)),
+    # Every operand batched on a different axis (per-operand strides).
+    "mixed_axes": VmapCase(dict(query=(N, T, H), key=(S, N, H), value=(S, H, N)),
+                           layers=(((0, 1, 2), 0),)),
+    # Output batched on another axis than the query.
+    "heads_in_axis1_out_axis0": VmapCase(dict(query=(T, N, H), key=(S, N, H), value=(S, N, H)),
+                                         layers=((1, 0),)),
+    # Only the mask (or only the bias) batched: q/k/v shared by every item, so the rule must
+    # broadcast them (the cuDNN batcher's bug, JAX issue #38495) and sum their gradients.
+    "only_mask_batched": VmapCase(dict(query=(T, H), key=(S, H), value=(S, H), mask=(E, T, S)),
+                                  layers=(((None, None, None, 0), 0),)),
+    "only_bias_batched": VmapCase(dict(query=(T, H), key=(S, H), value=(S, H), bias=(E, T, S)),
+                                  layers=(((None, None, None, 0), 0),)),
+    # A 4-D GQA call vmapped over an extra leading axis.
+    "extra_leading_axis_4d": VmapCase(
+        dict(query=(E, B, T, N, H), key=(E, B, S, 2, H), value=(E, B, S, 2, H)),
+        layers=((0, 0),)),
+    # ... with per-item sequence lengths, causal and the residual.
+    "extra_leading_axis_4d_lengths": VmapCase(
+        dict(query=(E, B, T, N, H), key=(E, B, S, N, H), value=(E, B, S, N, H),
+             query_seq_lengths=(E, B), key_value_seq_lengths=(E, B)),
+        layers=((0, 0),), static=dict(is_causal=True, return_residual=True)),
+    # ... with sequence lengths shared by every item (unbatched).
+    "extra_leading_axis_4d_shared_lengths": VmapCase(
+        dict(query=(E, B, T, N, H), key=(E, B, S, N, H), value=(E, B, S, N, H),
+             query_seq_lengths=(B,), key_value_seq_lengths=(B,)),
+        layers=(((0, 0, 0, None, None), 0),), static=dict(mask_alignment="bottom_right",
+                                                          is_causal=True)),
+}
+
+# Configurations in which every operand is batched, so vmap-of-grad can map the gradients back
+# onto the operands' own axes.
+FULLY_BATCHED = ("heads_axis1", "heads_then_batch", "batch_then_heads_axis2", "heads_axis0_BNTH",
+                 "mixed_axes", "extra_leading_axis_4d", "heads_causal_window_residual")
+# Forward-only configurations whose compiled HLO must be a single kernel without layout copies.
+HLO_FORWARD = ("heads_axis1", "heads_axis_minus2", "heads_then_batch", "batch_then_heads_axis2",
+               "heads_axis0_BNTH", "mixed_axes", "kv_unbatched_mqa",
+               "kv_shared_over_heads_then_batch", "shared_bias_and_mask", "extra_leading_axis_4d")
+HLO_GRAD = ("heads_axis1", "heads_then_batch", "kv_unbatched_mqa", "shared_bias_and_mask",
+            "only_bias_batched", "extra_leading_axis_4d")
+
+VMAP_DTYPES = ("float32", "bfloat16")
+
+
+def weighted_sum_loss(fn, cotangent):
+  """sum(out * cotangent) (and likewise for the lse) in float32: its gradient is the VJP of
+  `fn` with `cotangent`."""
+
+  def loss(*operands):
+    outs = fn(*operands)
+    return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0).astype(jnp.float32) *
+                       c.astype(jnp.float32))
+               for o, c in zip(jax.tree.leaves(outs), jax.tree.leaves(cotangent)))
+
+  return loss
+
+
+def random_cotangent(fn, operands, key):
+  shapes = jax.eval_shape(fn, *operands)
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype)
+                                   for k, s in zip(keys, leaves)])
+
+
+def small_inputs(key, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H)):
+  return reference.random_inputs(key, dict(query=q_shape, key=kv_shape, value=kv_shape), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# vmap
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", VMAP_DTYPES)
+@pytest.mark.parametrize("name", list(VMAP_CASES))
+def test_vmap_matches_loop(name, dtype, backend):
+  case = VMAP_CASES[name]
+  operands = case.inputs(jax.random.key(1), dtype)
+  batched = jax.jit(case.build(jax.vmap))(*operands)
+  looped = case.build(loop_vmap)(*operands)
+  for i, (b, l) in enumerate(zip(jax.tree.leaves(batched), jax.tree.leaves(looped))):
+    assert b.shape == l.shape and b.dtype == l.dtype, (i, b.shape, l.shape, b.dtype, l.dtype)
+    assert_same_kernel(b, l, dtype, f"{name}: output {i}")
+
+
+def test_vmap_over_heads_equals_multi_head_call(backend):
+  """Vmapping the single-head call over heads and batch is the 4-D multi-head call."""
+  inputs = small_inputs(jax.random.key(2), "float32", kv_shape=(B, S, N, H))
+  case = VMAP_CASES["heads_then_batch"]
+  batched = jax.jit(case.build(jax.vmap))(inputs["query"], inputs["key"], inputs["value"])
+  direct = jaxflash.attention(inputs["query"], inputs["key"], inputs["value"])
+  assert_same_kernel(batched, direct, "float32", "vmapped single-head vs 4-D call")
+
+
+@pytest.mark.parametrize("dtype", VMAP_DTYPES)
+@pytest.mark.parametrize("name", list(VMAP_CASES))
+def test_grad_of_vmap_matches_loop(name, dtype, backend):
+  case = VMAP_CASES[name]
+  operands = case.inputs(jax.random.key(3), dtype)
+  batched_fn, looped_fn = case.build(jax.vmap), case.build(loop_vmap)
+  cotangent = random_cotangent(batched_fn, operands, jax.random.key(4))
+  argnums = case.differentiable
+  batched = jax.jit(jax.grad(weighted_sum_loss(batched_fn, cotangent), argnums))(*operands)
+  looped = jax.grad(weighted_sum_loss(looped_fn, cotangent), argnums)(*operands)
+  for i, b, l in zip(argnums, batched, looped):
+    assert b.shape == operands[i].shape and b.dtype == operands[i].dtype
+    assert not np.isnan(np.asarray(b, np.float32)).any(), f"{name}: NaN in grad {i}"
+    assert_same_kernel(b, l, dtype, f"{name}: grad of operand {i}")
+
+
+@pytest.mark.parametrize("dtype", VMAP_DTYPES)
+@pytest.mark.parametrize("name", FULLY_BATCHED)
+def test_vmap_of_grad_matches_loop(name, dtype, backend):
+  case = VMAP_CASES[name]
+  operands = case.inputs(jax.random.key(5), dtype)
+  item_fn = attention_of(tuple(case.operands), **case.static)
+  argnums = case.differentiable
+
+  # The per-item cotangent is vmapped along with the operands, onto the output's axes.
+  def item_grads(*operands_and_cotangent):
+    *item_operands, cotangent = operands_and_cotangent
+    return jax.grad(weighted_sum_loss(item_fn, cotangent), argnums)(*item_operands)
+
+  cotangent = random_cotangent(case.build(jax.vmap), operands, jax.random.key(6))
+  batched_fn, looped_fn = item_grads, item_grads
+  for in_axes, out_axes in case.layers:
+    in_axes = (in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(operands))
+    # Gradients come back on their operands' axes.
+    grad_axes = tuple(in_axes[i] for i in argnums)
+    batched_fn = jax.vmap(batched_fn, in_axes=in_axes + (out_axes,), out_axes=grad_axes)
+    looped_fn = loop_vmap(looped_fn, in_axes + (out_axes,), grad_axes)
+  batched = jax.jit(batched_fn)(*operands, cotangent)
+  looped = looped_fn(*operands, cotangent)
+  for i, b, l in zip(argnums, batched, looped):
+    assert b.shape == operands[i].shape, (b.shape, operands[i].shape)
+    assert_same_kernel(b, l, dtype, f"{name}: vmapped grad of operand {i}")
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled HLO of vmapped calls: one kernel, strided access instead of transposes/copies.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", HLO_FORWARD)
+def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
+  case = VMAP_CASES[name]
+  operands = case.inputs(jax.random.key(7), "bfloat16")
+  hlo = reference.compiled_hlo(case.build(jax.vmap), *operands)
+  targets = reference.custom_call_targets(hlo)
+  assert reference.count_custom_calls(hlo, "jaxflash_fwd") == 1, (
+      f"{name}: expected one jaxflash_fwd custom call, got targets {targets}\n{hlo}")
+  assert reference.count_custom_calls(hlo, "jaxflash_bwd") == 0, targets
+  copies = reference.transpose_or_copy_lines(hlo)
+  assert not copies, f"{name}: layout copies around the kernel:\n" + "\n".join(copies) + \
+      f"\n--- full HLO ---\n{hlo}"
+
+
+@pytest.mark.parametrize("name", HLO_GRAD)
+def test_vmapped_grad_compiles_to_one_forward_and_one_backward_kernel(name, backend):
+  case = VMAP_CASES[name]
+  operands = case.inputs(jax.random.key(8), "bfloat16")
+  fn = case.build(jax.vmap)
+  cotangent = random_cotangent(fn, operands, jax.random.key(9))
+  grad_fn = jax.grad(weighted_sum_loss(fn, cotangent), case.differentiable)
+  hlo = reference.compiled_hlo(grad_fn, *operands)
+  targets = reference.custom_call_targets(hlo)
+  assert reference.count_custom_calls(hlo, "jaxflash_fwd") == 1, f"{name}: {targets}\n{hlo}"
+  assert reference.count_custom_calls(hlo, "jaxflash_bwd") == 1, f"{name}: {targets}\n{hlo}"
+
+
+# --------------------------------------------------------------------------------------------
+# jit, eval_shape, checkpoint, determinism
+# --------------------------------------------------------------------------------------------
+
+MASKING_OPTIONS = {
+    "plain": {},
+    "causal_residual": dict(is_causal=True, return_residual=True),
+    "window_bottom_right": dict(local_window_size=(7, 3), mask_alignment="bottom_right"),
+}
+
+
+@pytest.mark.parametrize("options", list(MASKING_OPTIONS))
+def test_jit_equals_eager(options, backend):
+  inputs = small_inputs(jax.random.key(10), "float16")
+  static = MASKING_OPTIONS[options]
+  eager = jaxflash.attention(**inputs, **static)
+  jitted = jax.jit(functools.partial(jaxflash.attention, **static))(**inputs)
+  for i, (e, j) in enumerate(zip(jax.tree.leaves(eager), jax.tree.leaves(jitted))):
+    assert_bitwise_equal(j, e, f"jit vs eager, output {i}")
+
+
+@pytest.mark.parametrize("q_shape,kv_shape", [((B, T, N, H), (B, S, 2, H)),
+                                               ((T, N, H), (S, 1, H)),
+                                               ((T, H), (S, H))],
+                         ids=["BTNH", "TNH", "TH"])
+@pytest.mark.parametrize("return_residual", [False, True])
+def test_eval_shape(q_shape, kv_shape, return_residual, backend):
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  out = jax.eval_shape(functools.partial(jaxflash.attention, return_residual=return_residual),
+                       spec(q_shape), spec(kv_shape), spec(kv_shape))
+  expected = spec(q_shape)
+  if return_residual:
+    out, lse = out
+    assert (lse.shape, lse.dtype) == (q_shape[:-1], jnp.bfloat16)
+  assert (out.shape, out.dtype) == (expected.shape, expected.dtype)
+
+  grads = jax.eval_shape(jax.grad(lambda q, k, v: jnp.sum(
+      jaxflash.attention(q, k, v).astype(jnp.float32)), (0, 1, 2)),
+      spec(q_shape), spec(kv_shape), spec(kv_shape))
+  assert [(g.shape, g.dtype) for g in grads] == [(s, jnp.bfloat16)
+                                                 for s in (q_shape, kv_shape, kv_shape)]
+
+
+@pytest.mark.parametrize("options", list(MASKING_OPTIONS))
+def test_checkpoint_grad_equals_grad(options, backend):
+  inputs = small_inputs(jax.random.key(11), "float32")
+  fn = functools.partial(jaxflash.attention, **MASKING_OPTIONS[options])
+  operands = (inputs["query"], inputs["key"], inputs["value"])
+  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, jax.random.key(12)))
+  plain = jax.jit(jax.grad(loss, (0, 1, 2)))(*operands)
+  for policy in (None, jax.checkpoint_policies.nothing_saveable):
+    remat = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), (0, 1, 2)))(*operands)
+    for name, r, p in zip(("dq", "dk", "dv"), remat, plain):
+      assert_bitwise_equal(r, p, f"checkpoint(policy={policy}) {name}")
+
+
+def test_deterministic(backend):
+  """Two runs give bitwise equal results, forward and backward. GQA with several heads per KV
+  head and a long key axis: the backward accumulates dK/dV across the group and across query
+  tiles, where parallel reductions would reorder sums."""
+  shape_q, shape_kv = (2, 256, 8, 64), (2, 320, 2, 64)
+  inputs = reference.random_inputs(jax.random.key(13), dict(query=shape_q, key=shape_kv,
+                                                            value=shape_kv), jnp.bfloat16)
+  bias = reference.random_inputs(jax.random.key(14), dict(bias=(1, 8, 256, 320)),
+                                 jnp.bfloat16)["bias"]
+  fn = functools.partial(jaxflash.attention, bias=bias, is_causal=True, return_residual=True)
+  operands = (inputs["query"], inputs["key"], inputs["value"])
+  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, jax.random.key(15)))
+  run = jax.jit(lambda *ops: (fn(*ops), jax.grad(loss, (0, 1, 2))(*ops)))
+  first = jax.tree.leaves(run(*operands))
+  for repeat in range(3):
+    again = jax.tree.leaves(run(*operands))
+    for i, (a, f) in enumerate(zip(again, first)):
+      assert_bitwise_equal(a, f, f"repeat {repeat}, result {i} (out, lse, dq, dk, dv)")
+
+
+def test_grad_without_dbias_equals_grad_with_dbias(backend):
+  """A bias that is present but not differentiated (the backward skips dbias) changes nothing
+  in dq, dk, dv."""
+  inputs = small_inputs(jax.random.key(17), "float32")
+  bias = reference.random_inputs(jax.random.key(18), dict(bias=(B, N, T, S)), jnp.float32)["bias"]
+  operands = (inputs["query"], inputs["key"], inputs["value"], bias)
+  fn = functools.partial(jaxflash.attention, is_causal=True)
+  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, jax.random.key(19)))
+  with_dbias = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*operands)
+  without_dbias = jax.jit(jax.grad(loss, (0, 1, 2)))(*operands)
+  for name, a, b in zip(("dq", "dk", "dv"), without_dbias, with_dbias):
+    assert_bitwise_equal(a, b, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Unsupported differentiation: must raise, never silently return zeros.
+# --------------------------------------------------------------------------------------------
+
+def _single_head_operands():
+  inputs = small_inputs(jax.random.key(16), "float32", q_shape=(T, H), kv_shape=(S, H))
+  return inputs["query"], inputs["key"], inputs["value"]
+
+
+def test_jvp_raises(backend):
+  q, k, v = _single_head_operands()
+  with pytest.raises(Exception, match=r"(?i)jvp|forward|jaxflash"):
+    jax.jvp(jaxflash.attention, (q, k, v), (q, k, v))
+
+
+def test_jacfwd_raises(backend):
+  q, k, v = _single_head_operands()
+  with pytest.raises(Exception, match=r"(?i)jvp|forward|jaxflash"):
+    jax.jacfwd(lambda q: jaxflash.attention(q, k, v))(q)
+
+
+def test_second_order_grad_raises_naming_jaxflash(backend):
+  q, k, v = _single_head_operands()
+  loss = lambda q: jnp.sum(jaxflash.attention(q, k, v) ** 2)
+  with pytest.raises(Exception, match="jaxflash"):
+    jax.grad(lambda q: jnp.sum(jax.grad(loss)(q)))(q)
