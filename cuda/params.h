@@ -27,7 +27,7 @@ enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // One operand seen as [instance..., row, col], strides in elements.
 //   q, k, v, o, d_o, dq, dk, dv : row = sequence position, col = feature (head dim)
 //   bias, mask, dbias           : row = query position,    col = key position
-//   lse, dlse                   : row = query position,    col unused
+//   lse, delta                  : row = query position,    col unused
 //   q_lens, kv_lens             : instance strides only
 // data == nullptr means the operand is absent.
 struct ArrayView {
@@ -45,8 +45,8 @@ enum Flags : int64_t {
   kHasQLens = 1 << 2,
   kHasKvLens = 1 << 3,
   kBottomRight = 1 << 4,  // align the causal/window diagonal to the ends (kv_len - q_len)
-  kHasDlse = 1 << 5,      // backward: a cotangent for the returned logsumexp
   kHasDbias = 1 << 6,     // backward: write dbias
+  kOutputF32 = 1 << 7,    // forward: o is float32 whatever dtype (the backward's residual)
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -76,8 +76,12 @@ struct AttentionParams {
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
   ArrayView o, lse;                                // lse: float32, natural log, -inf for empty rows
 
-  // Backward operands and results (unused by the forward).
-  ArrayView d_o, dlse;         // dlse: float32
+  // Backward operands and results (unused by the forward). delta is
+  // Δ = rowsum(dO ∘ O) - dlse per query row (float32), computed by XLA from the
+  // float32 output: Δ from an output already rounded to 16 bits would make the
+  // gradients of peaked attention (and of a per-row bias) visibly worse than
+  // jax.nn's.
+  ArrayView d_o, delta;
   ArrayView dq, dk, dv, dbias;
 
   JF_HOST_DEVICE bool has(int64_t flag) const { return (flags & flag) != 0; }

@@ -285,11 +285,15 @@ class _WantDbias:
   value: bool
 
 
+def _optional_operands(bias, mask, q_lens, kv_lens, dtype):
+  """bias, mask, q_lens, kv_lens with zero-size placeholders for the absent ones."""
+  return tuple(prims.absent(slot, dtype) if x is None else x
+               for x, slot in ((bias, "bias"), (mask, "mask"), (q_lens, "q_lens"),
+                               (kv_lens, "kv_lens")))
+
+
 def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, config):
-  def operand(x, slot):
-    return prims.absent(slot, q.dtype) if x is None else x
-  return prims.forward_p.bind(q, k, v, operand(bias, "bias"), operand(mask, "mask"),
-                              operand(q_lens, "q_lens"), operand(kv_lens, "kv_lens"),
+  return prims.forward_p.bind(q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, q.dtype),
                               config=config)
 
 
@@ -300,34 +304,33 @@ def _flash(q, k, v, bias, mask, q_lens, kv_lens, config):
 
 def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, config):
   values = [x.value if x is not None else None for x in (q, k, v, bias, mask, q_lens, kv_lens)]
-  out, lse = _bind_forward(*values, config)
+  # The output stays float32 as the backward's residual (see delta in _flash_bwd).
+  out32, lse = _bind_forward(*values, config.replace(flags=config.flags | prims.OUTPUT_F32))
   want_dbias = bias is not None and bias.perturbed
-  return (out, lse), (tuple(values), out, lse, _WantDbias(want_dbias))
+  return (out32.astype(values[0].dtype), lse), (tuple(values), out32, lse, _WantDbias(want_dbias))
 
 
 def _flash_bwd(config, residuals, cotangents):
-  (q, k, v, bias, mask, q_lens, kv_lens), out, lse, want_dbias = residuals
+  (q, k, v, bias, mask, q_lens, kv_lens), out32, lse, want_dbias = residuals
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
-    d_out = jnp.zeros(out.shape, out.dtype)
-  flags = config.flags | (prims.HAS_DBIAS if want_dbias.value else 0)
-  grad_layouts = {"d_o": config.layout("o"), "dq": config.layout("q"),
-                  "dk": config.layout("k"), "dv": config.layout("v")}
-  if isinstance(d_lse, SymbolicZero):
-    d_lse = prims.absent("dlse", q.dtype)
-  else:
-    flags |= prims.HAS_DLSE
-    grad_layouts["dlse"] = config.layout("lse")
+    d_out = jnp.zeros(out32.shape, q.dtype)
+  # Δ = rowsum(dO ∘ O) - dlse, from the float32 output: from the output rounded to
+  # 16 bits, the gradients of sharply peaked attention (and of a bias that is
+  # constant along the keys) come out several times worse than jax.nn's.
+  delta = jnp.sum(d_out.astype(jnp.float32) * out32, axis=-1)
+  if not isinstance(d_lse, SymbolicZero):
+    delta = delta - d_lse.astype(jnp.float32)
+  grad_layouts = {"d_o": config.layout("o"), "delta": config.layout("lse"),
+                  "dq": config.layout("q"), "dk": config.layout("k"), "dv": config.layout("v")}
+  flags = config.flags
   if want_dbias.value:
     grad_layouts["dbias"] = config.layout("bias")
+    flags |= prims.HAS_DBIAS
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
-
-  def operand(x, slot):
-    return prims.absent(slot, q.dtype) if x is None else x
   dq, dk, dv, dbias, _ = prims.backward_p.bind(
-      q, k, v, operand(bias, "bias"), operand(mask, "mask"), operand(q_lens, "q_lens"),
-      operand(kv_lens, "kv_lens"), out, lse, d_out.astype(out.dtype), d_lse.astype(jnp.float32),
-      config=bwd_config)
+      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, q.dtype), lse, delta,
+      d_out.astype(q.dtype), config=bwd_config)
   return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None
 
 

@@ -1,7 +1,7 @@
 """The forward and backward attention primitives.
 
 ``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens) -> (o, lse)
-``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, o, lse, d_o, dlse)
+``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, lse, delta, d_o)
                   -> (dq, dk, dv, dbias, workspace)
 
 Absent optional operands are zero-size arrays (flags say which are present).
@@ -36,16 +36,13 @@ HAS_MASK = 1 << 1
 HAS_Q_LENS = 1 << 2
 HAS_KV_LENS = 1 << 3
 BOTTOM_RIGHT = 1 << 4
-HAS_DLSE = 1 << 5
 HAS_DBIAS = 1 << 6
+OUTPUT_F32 = 1 << 7
 UNBOUNDED = -1
 
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens")
-BACKWARD_INPUTS = FORWARD_INPUTS + ("o", "lse", "d_o", "dlse")
-OPTIONAL_FLAGS = {"bias": HAS_BIAS, "mask": HAS_MASK, "q_lens": HAS_Q_LENS,
-                  "kv_lens": HAS_KV_LENS, "dlse": HAS_DLSE, "dbias": HAS_DBIAS}
-ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32,
-                 "dlse": jnp.float32}
+BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
+ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +95,8 @@ forward_p.multiple_results = True
 
 def _forward_abstract_eval(q, k, v, bias, mask, q_lens, kv_lens, *, config):
   del k, v, bias, mask, q_lens, kv_lens
-  return (jax.core.ShapedArray(shape_of(config.layout("o")), q.dtype),
+  o_dtype = jnp.float32 if config.has(OUTPUT_F32) else q.dtype
+  return (jax.core.ShapedArray(shape_of(config.layout("o")), o_dtype),
           jax.core.ShapedArray(shape_of(config.layout("lse")), jnp.float32))
 
 

@@ -2,7 +2,7 @@
 // has exactly one writer (deterministic, no atomics):
 //
 //   P  = exp(logits - lse)          recomputed tile by tile from q, k and lse
-//   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse
+//   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse (an input)
 //   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
 //
 // Pass A runs K/V tiles outer and owns dK, dV; it loops, inside one task, over
@@ -22,7 +22,7 @@ namespace jaxflash::cpu {
 namespace {
 
 // One Q tile's inputs to the gradient: q (pre-scaled by scale·log2e), dO, and per
-// row lse in base 2 and Δ.
+// row lse in base 2 and Δ (computed by XLA from the float32 output).
 struct QTile {
   std::vector<float> q, d_o, lse2, delta;
   int64_t rows = 0;
@@ -39,18 +39,12 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
   load_tile(element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride), p.q.row_stride,
             p.q.col_stride, rows, H, p.scale * kLog2e, tile.q.data(), tile.ld);
   const T* d_o = element<T>(p.d_o, instance_offset(p, p.d_o, inst) + t0 * p.d_o.row_stride);
-  const T* o = element<T>(p.o, instance_offset(p, p.o, inst) + t0 * p.o.row_stride);
   load_tile(d_o, p.d_o.row_stride, p.d_o.col_stride, rows, H, 1.f, tile.d_o.data(), tile.ld);
   const float* lse = element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
-  const float* dlse =
-      p.has(kHasDlse) ? element<float>(p.dlse, instance_offset(p, p.dlse, inst) + t0 * p.dlse.row_stride)
-                      : nullptr;
+  const float* delta = element<float>(p.delta, instance_offset(p, p.delta, inst) + t0 * p.delta.row_stride);
   for (int64_t i = 0; i < rows; ++i) {
     tile.lse2[i] = lse[i * p.lse.row_stride] * kLog2e;
-    float delta = 0.f;
-    const float* dor = tile.d_o.data() + i * tile.ld;
-    for (int64_t d = 0; d < H; ++d) delta += dor[d] * to_float(o[i * p.o.row_stride + d * p.o.col_stride]);
-    tile.delta[i] = delta - (dlse ? dlse[i * p.dlse.row_stride] : 0.f);
+    tile.delta[i] = delta[i * p.delta.row_stride];
   }
 }
 

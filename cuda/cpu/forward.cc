@@ -11,13 +11,14 @@
 namespace jaxflash::cpu {
 namespace {
 
-template <class T, class BiasT>
+// OutT is T, or float when the forward writes the backward's float32 residual.
+template <class T, class BiasT, class OutT>
 void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H);  // Hp: padded row length of feature tiles
   const InstanceBounds bounds = instance_bounds(p, inst);
   const int64_t rows = std::min(kBlockQ, p.seqlen_q - t0);
 
-  T* o = mutable_element<T>(p.o, instance_offset(p, p.o, inst) + t0 * p.o.row_stride);
+  OutT* o = mutable_element<OutT>(p.o, instance_offset(p, p.o, inst) + t0 * p.o.row_stride);
   float* lse = mutable_element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
 
   const KeyRange keys = visible_keys(p, bounds, t0, t0 + rows);
@@ -83,8 +84,13 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 template <class T, class BiasT>
 void forward_typed(const AttentionParams& p, const ParallelFor& parallel_for) {
   const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
+  const bool f32_out = p.has(kOutputF32);
   parallel_for(p.num_instances() * q_tiles, [&](int64_t task) {
-    forward_tile<T, BiasT>(p, task / q_tiles, (task % q_tiles) * kBlockQ);
+    const int64_t inst = task / q_tiles, t0 = (task % q_tiles) * kBlockQ;
+    if (f32_out)
+      forward_tile<T, BiasT, float>(p, inst, t0);
+    else
+      forward_tile<T, BiasT, T>(p, inst, t0);
   });
 }
 

@@ -17,7 +17,7 @@ using ParallelFor = std::function<void(int64_t n, const std::function<void(int64
 // o, lse from q, k, v (+ bias, mask, lengths).
 void forward(const AttentionParams& p, const ParallelFor& parallel_for);
 
-// dq, dk, dv (+ dbias) from q, k, v, o, lse, d_o (+ dlse, bias, mask, lengths).
+// dq, dk, dv (+ dbias) from q, k, v, lse, delta, d_o (+ bias, mask, lengths).
 void backward(const AttentionParams& p, const ParallelFor& parallel_for);
 
 }  // namespace jaxflash::cpu

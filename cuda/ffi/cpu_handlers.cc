@@ -84,14 +84,15 @@ ffi::Error forward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
     return e;
   if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
-  if (auto e = attach(p, kO, p.o, *o, ffi_type(p.dtype)); e.failure()) return e;
+  const ffi::DataType o_type = p.has(kOutputF32) ? ffi::DataType::F32 : ffi_type(p.dtype);
+  if (auto e = attach(p, kO, p.o, *o, o_type); e.failure()) return e;
   if (auto e = attach(p, kLse, p.lse, *lse, ffi::DataType::F32); e.failure()) return e;
   return run_on_pool(pool, &cpu::forward, p);
 }
 
 ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
-                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer dlse,
+                        ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/,
@@ -103,10 +104,9 @@ ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
     return e;
   if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
-  if (auto e = attach(p, kO, p.o, o, t); e.failure()) return e;
   if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = attach(p, kDelta, p.delta, delta, ffi::DataType::F32); e.failure()) return e;
   if (auto e = attach(p, kDo, p.d_o, d_o, t); e.failure()) return e;
-  if (auto e = attach_optional(p, kHasDlse, kDlse, p.dlse, dlse, ffi::DataType::F32); e.failure()) return e;
   if (auto e = attach(p, kDq, p.dq, *dq, t); e.failure()) return e;
   if (auto e = attach(p, kDk, p.dk, *dk, t); e.failure()) return e;
   if (auto e = attach(p, kDv, p.dv, *dv, t); e.failure()) return e;
@@ -148,10 +148,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_backward_cpu, backward_cpu,
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::AnyBuffer>()  // q_lens
                                   .Arg<ffi::AnyBuffer>()  // kv_lens
-                                  .Arg<ffi::AnyBuffer>()  // o
                                   .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // delta
                                   .Arg<ffi::AnyBuffer>()  // d_o
-                                  .Arg<ffi::AnyBuffer>()  // dlse
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv

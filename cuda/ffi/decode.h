@@ -23,11 +23,11 @@ namespace jaxflash {
 namespace ffi = xla::ffi;
 
 // Slot order of the "strides" attribute; jaxflash/primitives.py lists the same.
-enum Slot : int { kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDlse, kDq, kDk, kDv, kDbias, kSlots };
+enum Slot : int { kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSlots };
 
 inline const char* slot_name(int slot) {
   static const char* names[kSlots] = {"q",  "k",    "v",    "bias", "mask", "q_lens", "kv_lens", "o",
-                                      "lse", "d_o", "dlse", "dq",   "dk",   "dv",     "dbias"};
+                                      "lse", "d_o", "delta", "dq",   "dk",   "dv",     "dbias"};
   return names[slot];
 }
 
@@ -58,7 +58,7 @@ inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Sp
   p.flags = flags;
 
   ArrayView* views[kSlots] = {&p.q, &p.k,    &p.v,    &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.o,
-                              &p.lse, &p.d_o, &p.dlse, &p.dq,  &p.dk,   &p.dv,     &p.dbias};
+                              &p.lse, &p.d_o, &p.delta, &p.dq,  &p.dk,   &p.dv,     &p.dbias};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -74,7 +74,7 @@ inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Sp
 inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64_t& cols) {
   switch (slot) {
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
-    case kLse: case kDlse: rows = p.seqlen_q; cols = 1; return;
+    case kLse: case kDelta: rows = p.seqlen_q; cols = 1; return;
     case kQLens: case kKvLens: rows = 1; cols = 1; return;
     case kK: case kV: case kDk: case kDv: rows = p.seqlen_k; cols = p.head_dim; return;
     default: rows = p.seqlen_q; cols = p.head_dim; return;
