@@ -1,0 +1,230 @@
+// The backward pass: validation, the workspace, and four launches on one stream
+//   memset   : ticket counter, dQ semaphores, dQ accumulator <- 0
+//   pre-pass : per row, lse2 = lse log2 e and delta (+inf / 0 for rows that get
+//              no gradient); delta is the operand XLA computed as
+//              rowsum(dO o O) - dlse from the float32 output
+//   main     : dK, dV, and dQ accumulated in fp32 in a fixed order (bwd_kernel.h);
+//              then dbias when asked for (bwd_dbias.h)
+//   post-pass: dq = scale * dQ accumulator, in dtype (0 for rows >= q_len)
+// The main / dbias kernels are instantiated per (dtype, head dim) in
+// instantiations/bwd_*.cu; the pre / post passes depend on the dtype only.
+#include "backward.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "bwd_kernel_traits.h"
+#include "instance.h"
+
+namespace jaxflash::gpu {
+
+// Defined in instantiations/bwd_<dtype>_d<D>.cu.
+template <class T, int D>
+cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream);
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kRowWarps = 8;  // rows (one warp each) per CTA of the pre / post passes
+
+template <class T>
+__device__ __forceinline__ T store_float(float x) {
+  if constexpr (sizeof(T) == 4) return x;
+  else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
+  else return __float2bfloat16_rn(x);
+}
+
+// One warp per workspace row (instance, t), t < t_pad.
+__global__ void __launch_bounds__(32 * kRowWarps) backward_prepass(const __grid_constant__ AttentionParams p,
+                                                                   const BwdRuntime rt) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  if (row >= p.num_instances() * rt.t_pad) return;
+  const int64_t linear = row / rt.t_pad, t = row - linear * rt.t_pad;
+  float lse2 = INFINITY, delta = 0.f;  // P = exp2(s - inf) = 0: no gradient from this row
+  if (t < p.seqlen_q && t < instance_bounds(p, linear).q_len) {
+    const InstanceIndex inst(p, linear);
+    const float lse = inst.origin<const float>(p, p.lse)[t * p.lse.row_stride];
+    if (lse != -INFINITY) {  // -inf: the row saw no key; its P are all 0
+      delta = inst.origin<const float>(p, p.delta)[t * p.delta.row_stride];
+      lse2 = lse * kLog2e;
+    }
+  }
+  if (lane == 0) {
+    rt.lse2[row] = lse2;
+    rt.delta[row] = delta;
+  }
+}
+
+// One warp per dq row (instance, t), t < T. The accumulator holds each Q tile
+// as `chunks` blocks of block_m x chunk_cols floats in the kernel's fragment
+// order (bwd_kernel.h, dq_frag_offset): element (r, d) of a block sits in warp
+// (r / rows, d / cols)'s fragment (mf, nf), element e, lane 4 g + q.
+template <class T>
+__global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid_constant__ AttentionParams p,
+                                                                    const BwdRuntime rt) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  if (row >= p.num_instances() * p.seqlen_q) return;
+  const int64_t linear = row / p.seqlen_q, t = row - linear * p.seqlen_q;
+  const bool live = t < instance_bounds(p, linear).q_len;
+  const InstanceIndex inst(p, linear);
+  T* dq = inst.origin<T>(p, p.dq) + t * p.dq.row_stride;
+  const BwdDqGrid& g = rt.dq;
+  // The row's part of the position: tile, warp row, m fragment, g and the h of e.
+  const int r = static_cast<int>(t % g.block_m);
+  const int rr = r % g.rows;
+  const float* tile = rt.dq_acc + (linear * rt.t_pad + (t - r)) * rt.d_pad;
+  const int warp_m = r / g.rows, mf = rr / 16, gq = rr % 8, h = (rr % 16) / 8;
+  for (int64_t d = lane; d < p.head_dim; d += 32) {
+    const int c = static_cast<int>(d) / g.chunk_cols, dc = static_cast<int>(d) % g.chunk_cols;
+    const int wn = dc / g.cols, cc = dc % g.cols;
+    const int warp = warp_m * g.warps_n + wn, nf = cc / 8, e = 2 * h + (cc & 1), ln = 4 * gq + (cc % 8) / 2;
+    const float x = tile[static_cast<int64_t>(c) * g.block_m * g.chunk_cols +
+                         (((warp * g.mf + mf) * g.nf + nf) * 4 + e) * 32 + ln];
+    dq[d] = store_float<T>(live ? x * rt.scale : 0.f);
+  }
+}
+
+// Whether every row of `view` starts on a 16-byte boundary (base, row stride
+// and instance strides), so rows can move in 16-byte chunks.
+bool rows_aligned(const AttentionParams& p, const ArrayView& view, int elem_bytes) {
+  const int64_t chunk = 16 / elem_bytes;
+  if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || view.row_stride % chunk != 0) return false;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (p.inst_size[d] > 1 && view.inst_stride[d] % chunk != 0) return false;
+  return true;
+}
+
+template <class T>
+cudaError_t dispatch_head_dim(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
+  switch (bwd_padded_head_dim(p.head_dim)) {
+    case 32: return launch_backward_instance<T, 32>(p, rt, stream);
+    case 64: return launch_backward_instance<T, 64>(p, rt, stream);
+    case 96: return launch_backward_instance<T, 96>(p, rt, stream);
+    case 128: return launch_backward_instance<T, 128>(p, rt, stream);
+    case 192: return launch_backward_instance<T, 192>(p, rt, stream);
+    default: return launch_backward_instance<T, 256>(p, rt, stream);
+  }
+}
+
+template <class T>
+cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const BwdWorkspaceLayout& w,
+                         char* base, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(base, 0, static_cast<size_t>(w.zero_bytes), stream);
+  if (err != cudaSuccess) return err;
+  const int64_t instances = p.num_instances();
+  const int64_t pre_blocks = (instances * rt.t_pad + kRowWarps - 1) / kRowWarps;
+  const int64_t post_blocks = (instances * p.seqlen_q + kRowWarps - 1) / kRowWarps;
+  if (pre_blocks > INT_MAX || post_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  if (pre_blocks > 0) backward_prepass<<<static_cast<unsigned>(pre_blocks), 32 * kRowWarps, 0, stream>>>(p, rt);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = dispatch_head_dim<T>(p, rt, stream)) != cudaSuccess) return err;
+  if (post_blocks > 0) backward_postpass<T><<<static_cast<unsigned>(post_blocks), 32 * kRowWarps, 0, stream>>>(p, rt);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
+                                 DType dtype) {
+  (void)seqlen_k;  // the layout has nothing per key
+  return BwdWorkspaceLayout::of(num_instances, seqlen_q, head_dim, dtype == DType::kF32 ? 4 : 2).total_bytes;
+}
+
+cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
+  int elem_bytes;
+  switch (p.dtype) {
+    case DType::kF32: elem_bytes = 4; break;
+    case DType::kF16:
+    case DType::kBF16: elem_bytes = 2; break;
+    default: return cudaErrorInvalidValue;
+  }
+  if (p.num_inst_dims < 0 || p.num_inst_dims > kMaxInstanceDims) return cudaErrorInvalidValue;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (p.inst_size[d] < 1) return cudaErrorInvalidValue;
+  if (p.head_dim < 0 || p.head_dim > 256 || p.seqlen_q < 0 || p.seqlen_k < 0) return cudaErrorInvalidValue;
+  if (p.window_left < kUnbounded || p.window_right < kUnbounded) return cudaErrorInvalidValue;
+  const int64_t instances = p.num_instances();
+  if (instances == 0 || p.head_dim == 0 || (p.seqlen_q == 0 && p.seqlen_k == 0)) return cudaSuccess;
+  if (workspace == nullptr) return cudaErrorInvalidValue;
+  // Rows move in contiguous chunks.
+  if (p.head_dim > 1) {
+    for (const ArrayView* v : {&p.q, &p.k, &p.v, &p.d_o, &p.dq, &p.dk, &p.dv})
+      if (v->col_stride != 1) return cudaErrorInvalidValue;
+  }
+  const bool has_bias = p.has(kHasBias), has_mask = p.has(kHasMask), want_dbias = p.has(kHasDbias);
+  if (has_bias && p.bias_dtype != p.dtype && p.bias_dtype != DType::kF32) return cudaErrorInvalidValue;
+  if (want_dbias && !has_bias) return cudaErrorInvalidValue;  // dbias needs the bias (it shapes P)
+  // Every operand that can be read or written must be there (zero-size
+  // buffers arrive as null, and then nothing touches them).
+  const bool rows = p.seqlen_q > 0, keys = p.seqlen_k > 0;
+  if ((rows && (!p.q.data || !p.lse.data || !p.delta.data || !p.d_o.data || !p.dq.data)) ||
+      (keys && (!p.k.data || !p.v.data || !p.dk.data || !p.dv.data)) ||
+      (rows && keys && ((has_bias && !p.bias.data) || (has_mask && !p.mask.data) || (want_dbias && !p.dbias.data))) ||
+      (p.has(kHasQLens) && !p.q_lens.data) || (p.has(kHasKvLens) && !p.kv_lens.data))
+    return cudaErrorInvalidValue;
+  // One writer per output element: dq is per instance; dk and dv are shared
+  // along the same axes (the ones a CTA loops over).
+  const uint32_t kv_mask = shared_axes(p, p.dk);
+  if (shared_axes(p, p.dq) != 0 || shared_axes(p, p.dv) != kv_mask) return cudaErrorInvalidValue;
+
+  const BwdWorkspaceLayout w = BwdWorkspaceLayout::of(instances, p.seqlen_q, p.head_dim, elem_bytes);
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(workspace) + 255) / 256 * 256);
+
+  BwdRuntime rt{};
+  rt.scale = p.scale;
+  rt.score_mul = p.scale * kLog2e;
+  rt.bias_f32 = p.bias_dtype == DType::kF32;
+  rt.q_vec = rows_aligned(p, p.q, elem_bytes);
+  rt.k_vec = rows_aligned(p, p.k, elem_bytes);
+  rt.v_vec = rows_aligned(p, p.v, elem_bytes);
+  rt.do_vec = rows_aligned(p, p.d_o, elem_bytes);
+  rt.dk_vec = rows_aligned(p, p.dk, elem_bytes);
+  rt.dv_vec = rows_aligned(p, p.dv, elem_bytes);
+  rt.counter = reinterpret_cast<int*>(base);
+  rt.sems = reinterpret_cast<int*>(base + w.sems_off);
+  rt.dq_acc = reinterpret_cast<float*>(base + w.dq_acc_off);
+  rt.lse2 = reinterpret_cast<float*>(base + w.lse2_off);
+  rt.delta = reinterpret_cast<float*>(base + w.delta_off);
+  rt.q_tiles = w.q_tiles;
+  rt.t_pad = w.t_pad;
+  rt.d_pad = w.d_pad;
+  rt.dq = bwd_dq_grid(elem_bytes, static_cast<int>(w.d_pad));
+  // The kernels take the bulk-reduction path when built for sm_90+, which is
+  // what runs on a device of compute capability 9+ (the build embeds sm_80 and
+  // sm_90a code); it needs the staging buffer.
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
+#ifdef JAXFLASH_BWD_NO_BULK
+  rt.dq_bulk = false;
+#else
+  rt.dq_bulk = major >= 9;
+#endif
+  rt.general = has_bias || has_mask || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  const BwdTiles tiles = bwd_tiles(elem_bytes, static_cast<int>(w.d_pad), rt.general);
+  rt.k_tiles = (p.seqlen_k + tiles.block_n - 1) / tiles.block_n;
+  rt.kv_reduce_mask = kv_mask;
+  rt.kv_kept = split_count(p, kv_mask, false);
+  rt.kv_reduced = split_count(p, kv_mask, true);
+  rt.dbias_reduce_mask = want_dbias ? shared_axes(p, p.dbias) : 0u;
+  rt.dbias_kept = split_count(p, rt.dbias_reduce_mask, false);
+  rt.dbias_reduced = split_count(p, rt.dbias_reduce_mask, true);
+  rt.dbias_one_row = want_dbias && p.seqlen_q > 1 && p.dbias.row_stride == 0;
+  rt.dbias_one_col = want_dbias && p.seqlen_k > 1 && p.dbias.col_stride == 0;
+
+  switch (p.dtype) {
+    case DType::kF16: return launch_typed<__half>(p, rt, w, base, stream);
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, rt, w, base, stream);
+    default: return launch_typed<float>(p, rt, w, base, stream);
+  }
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,34 @@
+// CUDA backward pass (FlashAttention-2 algebra, mma.sync tensor cores, sm_80+).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// Bytes of scratch the backward needs for p's shapes (fp32 dQ accumulator, per-row
+// lse / delta, per-(instance, Q tile) semaphores, a CTA ticket counter). A pure
+// function of (instances = p.num_instances(), seqlen_q, seqlen_k, head_dim, dtype);
+// the Python side sizes an extra uint8 output with it at abstract evaluation.
+// Includes 256 bytes of slack so any base alignment of the buffer works.
+int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
+                                 DType dtype);
+
+// dq, dk, dv (+ dbias when kHasDbias) from q, k, v, lse, d_o and delta (+ bias,
+// mask, lengths), on `stream`; delta is float32 per query row, rowsum(dO o O) -
+// dlse, computed by XLA from the float32 output. `workspace` has
+// backward_workspace_bytes(...) bytes, contents undefined on entry. Bitwise deterministic (no order-dependent
+// float reductions). Never allocates or synchronises (CUDA-graph safe).
+//   dtype f16 / bf16: fp16 / bf16 tensor-core MMAs, fp32 accumulation.
+//   dtype f32: tf32 tensor-core MMAs (operands rounded to tf32), fp32 elsewhere.
+// Requires head_dim <= 256; unit column stride for q, k, v, d_o, dq, dk, dv;
+// a bias in dtype or float32; dq unshared along every instance axis; dk and dv
+// shared along the same axes; a bias when dbias is asked for. Returns
+// cudaErrorInvalidValue (with nothing launched) otherwise, else
+// cudaGetLastError() after the launches.
+cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
+
+}  // namespace jaxflash::gpu

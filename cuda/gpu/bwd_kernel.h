@@ -1,0 +1,273 @@
+// The main backward kernel (FlashAttention-2 algebra): one CTA per (K/V tile,
+// kept instance). It keeps its BLOCK_N keys' dK and dV in registers, loops
+// over the instances that share them (a GQA group: the axes where dk / dv have
+// stride 0), and for each over the visible Q tiles:
+//
+//   S, dP -> P, dS (registers, then shared memory as T)
+//   dV += P^T dO,  dK += dS^T Q
+//   dQ(tile) += dS K   into the fp32 workspace, in a fixed order (below)
+//
+// Deterministic dQ. Every (instance, Q tile) has a semaphore counting the key
+// tiles that have added their share. The key tiles that touch Q tile i are a
+// contiguous range [j_first, j_last] (the visible band is convex), with
+// j_first = visible_keys(i).lo / BLOCK_N; the CTA of key tile j waits until the
+// semaphore equals j - j_first, adds its partial (sm_90: one bulk reduction
+// from shared memory; sm_80: fp32 atomics), waits for the adds to complete,
+// fences and increments. So each dQ element receives its adds in ascending
+// key-tile order, whatever the schedule: bitwise reproducible. The CTA's own Q-tile range comes from
+// visible_queries(j), the transpose of the same band, so the two sides agree on
+// exactly which key tiles contribute (params.h computes both from one rule).
+//
+// No deadlock. CTAs do not use blockIdx: each takes a ticket from a zeroed
+// counter on entry and decodes (kept instance, key tile) from it, key tile
+// slowest. A CTA only ever waits for CTAs of the same kept instance with a
+// smaller key tile, i.e. a smaller ticket, and a CTA holding a ticket is
+// resident (it took it while running). By induction on tickets the smallest
+// unfinished one waits on nothing unfinished, so it completes: no reliance on
+// the hardware dispatching blocks in index order. Tickets also give the
+// longest CTAs (small key tiles under causal masking) the first slots.
+//
+// A turn's signal is deferred until just before the CTA's next wait (or its
+// exit), so the completion wait and fence find the adds already done instead
+// of stalling on them. That keeps the argument intact: a CTA never waits while holding an
+// unsignalled turn, and between a turn and its signal it only computes.
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_kernel_traits.h"
+#include "bwd_scores.h"
+#include "instance.h"
+#include "primitives/bwd_mma.h"
+#include "primitives/smem_tile.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// Thread 0 spins until *sem >= target.
+__device__ __forceinline__ void spin_until(const int* sem, int target) {
+  while (ld_acquire_gpu(sem) < target) __nanosleep(32);
+}
+
+// Position of element e (0..3, the C-fragment order) of fragment (mf, nf) of
+// `lane` in `warp`, inside one block_m x chunk_cols block of the dQ
+// accumulator: fragment order, each element's 32 lanes contiguous. Every warp
+// store / atomic then covers 128 contiguous bytes (conflict-free in shared
+// memory, whole sectors at L2); backward_postpass un-permutes.
+template <class Cfg>
+__device__ __forceinline__ int dq_frag_offset(int warp, int mf, int nf, int e, int lane) {
+  return (((warp * Cfg::kQMF + mf) * Cfg::kQNF + nf) * 4 + e) * 32 + lane;
+}
+
+// dQ(tile) += dS K for the CTA's turn on (instance, Q tile), in the
+// accumulator block `acc` (the tile's first chunk). A turn's signal is left
+// `pending` and given at the CTA's next turn (or exit, flush_dq_turn): by then
+// the adds have long landed and the signal costs no wait.
+//
+// sm_90: the partial goes to shared memory (fragment order, so the block is
+// contiguous) and thread 0 alone waits for the turn and issues one bulk
+// reduction per chunk; the other warps run on into the next Q tile.
+// sm_80: every thread waits at a barrier and adds with coalesced fp32 atomics.
+template <class Cfg>
+__device__ __forceinline__ void accumulate_dq(float* acc, int* sem, int target, int*& pending,
+                                              const typename Cfg::PTile& sdS, const typename Cfg::KTile& sK,
+                                              float* stage, int tid) {
+  using T = typename Cfg::T;
+  constexpr int MF = Cfg::kQMF, NF = Cfg::kQNF;
+  constexpr int kChunkFloats = Cfg::kBlockM * Cfg::kQChunkCols;
+  const int lane = tid % 32, warp = tid / 32;
+  const int row0 = (warp / Cfg::kQWarpsN) * Cfg::kQRows;
+  const int col0 = (warp % Cfg::kQWarpsN) * Cfg::kQCols;
+#pragma unroll 1
+  for (int c = 0; c < Cfg::kQChunks; ++c) {
+    float dq[MF][NF][4];
+    zero_frags(dq);
+    warp_gemm<T, AOrder::kMK, BOrder::kKN, Cfg::kBlockN, Cfg::kTiles.unroll>(dq, sdS, row0, sK, c * Cfg::kQChunkCols + col0, lane);
+#if JF_BWD_DQ_BULK
+    if (tid == 0) {
+      if (c == 0 && pending != nullptr) {  // signal the last turn (its reduction also freed the stage)
+        bulk_wait_all();
+        fence_proxy_async_global();
+        __threadfence();
+        atomicAdd(pending, 1);
+      } else if (c > 0) {
+        bulk_wait_reads();  // the previous chunk's reduction has read the stage
+      }
+    }
+    __syncthreads();  // the stage is free
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) stage[dq_frag_offset<Cfg>(warp, mf, nf, e, lane)] = dq[mf][nf][e];
+    fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
+    __syncthreads();
+    if (tid == 0) {
+      if (c == 0) {
+        spin_until(sem, target);
+        fence_proxy_async_global();
+      }
+      bulk_reduce_add_f32(acc + c * kChunkFloats, stage, kChunkFloats * 4);
+      bulk_commit();
+    }
+#else
+    if (c == 0) {
+      if (pending != nullptr) {  // every thread's atomics done and visible, then one increment
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(pending, 1);
+      }
+      if (tid == 0) spin_until(sem, target);
+      __syncthreads();
+    }
+    float* block = acc + c * kChunkFloats;
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) atomicAdd(block + dq_frag_offset<Cfg>(warp, mf, nf, e, lane), dq[mf][nf][e]);
+#endif
+  }
+  pending = sem;
+}
+
+// The CTA's last pending signal, before it exits.
+__device__ __forceinline__ void flush_dq_turn(int* pending, int tid) {
+  if (pending == nullptr) return;
+#if JF_BWD_DQ_BULK
+  if (tid == 0) {
+    bulk_wait_all();
+    fence_proxy_async_global();
+    __threadfence();
+    atomicAdd(pending, 1);
+  }
+#else
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) atomicAdd(pending, 1);
+#endif
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    backward_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime rt) {
+  using T = typename Cfg::T;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  using QTile = typename Cfg::QTile;
+  using KTile = typename Cfg::KTile;
+  using PTile = typename Cfg::PTile;
+  extern __shared__ __align__(128) char smem[];
+  const QTile sQ{smem}, sdO{smem + QTile::kBytes};
+  const KTile sK{smem + 2 * QTile::kBytes}, sV{smem + 2 * QTile::kBytes + KTile::kBytes};
+  const PTile sP{smem + 2 * QTile::kBytes + 2 * KTile::kBytes};
+  const PTile sdS{smem + 2 * QTile::kBytes + 2 * KTile::kBytes + PTile::kBytes};
+  float* dq_stage = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);  // sm_90 only (see the launcher)
+  __shared__ int s_ticket;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
+  __syncthreads();
+  const int64_t ticket = s_ticket;
+  const int64_t kept = ticket % rt.kv_kept;
+  const int64_t key_tile = ticket / rt.kv_kept;
+  const int64_t n0 = key_tile * BN;
+
+  const int s_row0 = (warp / Cfg::kSWarpsN) * Cfg::kSRows, s_col0 = (warp % Cfg::kSWarpsN) * Cfg::kSCols;
+  const int kv_row0 = (warp / Cfg::kKVWarpsN) * Cfg::kKVRows, kv_col0 = (warp % Cfg::kKVWarpsN) * Cfg::kKVCols;
+  const int head_dim = static_cast<int>(p.head_dim);
+  const bool q_vec = !Cfg::kGeneral || rt.q_vec, k_vec = !Cfg::kGeneral || rt.k_vec;
+  const bool v_vec = !Cfg::kGeneral || rt.v_vec, do_vec = !Cfg::kGeneral || rt.do_vec;
+
+  float dk[Cfg::kKVMF][Cfg::kKVNF][4], dv[Cfg::kKVMF][Cfg::kKVNF][4];
+  zero_frags(dk);
+  zero_frags(dv);
+
+  // The K/V rows now in shared memory (a GQA group shares them).
+  const T* k_resident = nullptr;
+  const T* v_resident = nullptr;
+  int kv_rows_resident = -1;
+  int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
+
+#pragma unroll 1
+  for (int64_t r = 0; r < rt.kv_reduced; ++r) {
+    const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
+    const InstanceBounds b = instance_bounds(p, linear);
+    const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
+    if (rows.lo >= rows.hi) continue;  // nothing to add, and no dQ tile waits for us
+    const InstanceIndex inst(p, linear);
+    const T* q = inst.origin<const T>(p, p.q);
+    const T* d_o = inst.origin<const T>(p, p.d_o);
+    ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.delta + linear * rt.t_pad};
+    if constexpr (Cfg::kGeneral) {
+      if (p.has(kHasBias))
+        in.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))
+                              : static_cast<const void*>(inst.origin<const T>(p, p.bias));
+      if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
+    }
+
+    // K/V rows past kv_len are zero-filled, never read.
+    const T* k = inst.origin<const T>(p, p.k) + n0 * p.k.row_stride;
+    const T* v = inst.origin<const T>(p, p.v) + n0 * p.v.row_stride;
+    const int kv_rows = static_cast<int>(min(b.kv_len - n0, int64_t{BN}));
+    if (k != k_resident || v != v_resident || kv_rows != kv_rows_resident) {
+      __syncthreads();  // every warp is past its last read of sK / sV (the dQ GEMM)
+      load_tile<kThreads>(sK, k, p.k.row_stride, kv_rows, head_dim, k_vec, tid);
+      load_tile<kThreads>(sV, v, p.v.row_stride, kv_rows, head_dim, v_vec, tid);
+      k_resident = k, v_resident = v, kv_rows_resident = kv_rows;
+    }
+
+    auto load_q_tile = [&](int64_t m0) {
+      const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));  // rows past q_len: zeros
+      load_tile<kThreads>(sQ, q + m0 * p.q.row_stride, p.q.row_stride, valid, head_dim, q_vec, tid);
+      load_tile<kThreads>(sdO, d_o + m0 * p.d_o.row_stride, p.d_o.row_stride, valid, head_dim, do_vec, tid);
+      cp_async_commit();
+    };
+
+    const int64_t i_first = rows.lo / BM, i_last = (rows.hi - 1) / BM;
+    load_q_tile(i_first * BM);
+#pragma unroll 1
+    for (int64_t i = i_first; i <= i_last; ++i) {
+      const int64_t m0 = i * BM;
+      cp_async_wait<0>();  // Q, dO (and K, V the first time) landed
+      __syncthreads();
+
+      {
+        float pr[Cfg::kSMF][Cfg::kSNF][4], ds[Cfg::kSMF][Cfg::kSNF][4];
+        const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
+        probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane);
+        store_frags<T>(sP, pr, s_row0, s_col0, 1.f, lane);
+        store_frags<T>(sdS, ds, s_row0, s_col0, 1.f, lane);
+      }
+      __syncthreads();
+
+      // dV += P^T dO, dK += dS^T Q (scale applied at the end).
+      warp_gemm<T, AOrder::kKM, BOrder::kKN, BM, Cfg::kTiles.unroll>(dv, sP, kv_row0, sdO, kv_col0, lane);
+      warp_gemm<T, AOrder::kKM, BOrder::kKN, BM, Cfg::kTiles.unroll>(dk, sdS, kv_row0, sQ, kv_col0, lane);
+      __syncthreads();  // sQ, sdO free: fetch the next tile behind the dQ step
+      if (i < i_last) load_q_tile(m0 + BM);
+
+      const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
+      accumulate_dq<Cfg>(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad, rt.sems + linear * rt.q_tiles + i,
+                         target, pending, sdS, sK, dq_stage, tid);
+    }
+  }
+  flush_dq_turn(pending, tid);
+
+  // Epilogue: dK (x scale) and dV through shared memory (as T) to global.
+  // Keys in [kv_len, S) are written too: their accumulators are 0.
+  cp_async_wait<0>();
+  __syncthreads();
+  store_frags<T>(sK, dk, kv_row0, kv_col0, rt.scale, lane);
+  store_frags<T>(sV, dv, kv_row0, kv_col0, 1.f, lane);
+  __syncthreads();
+  const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
+  const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
+  store_tile_rows<kThreads, BN>(sK, 0, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, rows_out,
+                                head_dim, rt.dk_vec, tid);
+  store_tile_rows<kThreads, BN>(sV, 0, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride, rows_out,
+                                head_dim, rt.dv_vec, tid);
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,171 @@
+// Compile-time shape of one backward instantiation (from bwd_tile_size.h),
+// the launch-time values the host computes once (BwdRuntime), the workspace
+// layout, and the instance-space split of the K/V-outer pass.
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_tile_size.h"
+#include "primitives/smem_tile.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// Two variants per (T, D), as in the forward: the fast one (no bias, no mask,
+// q/k/v/dO rows 16-byte aligned) and the general one.
+template <class T_, int D, bool kGeneral_>
+struct BwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = D;
+  static constexpr bool kGeneral = kGeneral_;
+  static constexpr BwdTiles kTiles = bwd_tiles(static_cast<int>(sizeof(T)), D, kGeneral);
+  static constexpr int kBlockM = kTiles.block_m;
+  static constexpr int kBlockN = kTiles.block_n;
+  static constexpr int kWarps = kTiles.warps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMinBlocks = kTiles.min_blocks;
+
+  // S / dP: BLOCK_M x BLOCK_N.
+  static constexpr int kSWarpsM = kTiles.s_warps_m, kSWarpsN = kWarps / kSWarpsM;
+  static constexpr int kSRows = kBlockM / kSWarpsM, kSCols = kBlockN / kSWarpsN;
+  static constexpr int kSMF = kSRows / 16, kSNF = kSCols / 8;
+  // dK, dV: BLOCK_N x D.
+  static constexpr int kKVWarpsM = kTiles.kv_warps_m, kKVWarpsN = kWarps / kKVWarpsM;
+  static constexpr int kKVRows = kBlockN / kKVWarpsM, kKVCols = D / kKVWarpsN;
+  static constexpr int kKVMF = kKVRows / 16, kKVNF = kKVCols / 8;
+  // dQ: BLOCK_M x D, in kQChunks column chunks.
+  static constexpr BwdDqGrid kDq = bwd_dq_grid(static_cast<int>(sizeof(T)), D);
+  static constexpr int kQChunks = kDq.chunks, kQChunkCols = kDq.chunk_cols;
+  static constexpr int kQWarpsM = kTiles.q_warps_m, kQWarpsN = kDq.warps_n;
+  static constexpr int kQRows = kDq.rows, kQCols = kDq.cols;
+  static constexpr int kQMF = kDq.mf, kQNF = kDq.nf;
+
+  static_assert(kSWarpsM * kSWarpsN == kWarps && kKVWarpsM * kKVWarpsN == kWarps && kQWarpsM * kQWarpsN == kWarps,
+                "warp grids cover the CTA");
+  static_assert(kSRows % 16 == 0 && kSCols % 8 == 0, "S grid: whole m16n8 fragments");
+  static_assert(kKVRows % 16 == 0 && kKVCols % 8 == 0 && kKVWarpsN * kKVCols == D, "dK/dV grid");
+  static_assert(kQRows % 16 == 0 && kQCols % 8 == 0 && kQChunks * kQWarpsN * kQCols == D, "dQ grid");
+  // The workspace layout is the variants' common ground.
+  static_assert(kBlockM == kDq.block_m && kQWarpsM * kQWarpsN == kWarps && kTiles.q_chunks == kDq.chunks &&
+                    kBlockM / kQWarpsM == kDq.rows,
+                "both variants share BLOCK_M and the dQ grid");
+
+  using QTile = SmemTile<T, kBlockM, D>;        // Q and dO
+  using KTile = SmemTile<T, kBlockN, D>;        // K and V (then dK, dV on the way out)
+  using PTile = SmemTile<T, kBlockM, kBlockN>;  // P and dS, [query][key]
+  static constexpr int kSmemBytes = 2 * QTile::kBytes + 2 * KTile::kBytes + 2 * PTile::kBytes;
+  // sm_90: one dQ chunk staged in fp32 for the bulk reduction, after the tiles.
+  static constexpr int kDqStageBytes = kBlockM * kQChunkCols * 4;
+  // The dbias kernel needs no P / dS tiles.
+  static constexpr int kDbiasSmemBytes = 2 * QTile::kBytes + 2 * KTile::kBytes;
+};
+
+// Workspace layout, a pure function of (instances, T, S, H, dtype); every
+// segment 256-byte aligned relative to a base that is itself rounded up to 256
+// bytes inside the buffer (hence the extra 256 in the total).
+//   counter : int          CTA tickets of the main kernel (zeroed per call)
+//   sems    : int [I][nQ]  per (instance, Q tile): dQ contributions so far (zeroed)
+//   dq_acc  : f32 [I][T_pad][D_pad]  the dQ accumulator (zeroed), unscaled; each
+//             Q tile's block_m x D_pad floats in the order of BwdDqGrid
+//   lse2    : f32 [I][T_pad]  lse * log2 e, +inf for rows that get no gradient
+//   delta   : f32 [I][T_pad]  rowsum(dO o O) - dlse, 0 for those rows
+// counter, sems and dq_acc are contiguous: one memset clears them.
+struct BwdWorkspaceLayout {
+  int64_t block_m, q_tiles, t_pad, d_pad;
+  int64_t sems_off, dq_acc_off, lse2_off, delta_off, zero_bytes, total_bytes;
+
+  static constexpr int64_t align(int64_t x) { return (x + 255) / 256 * 256; }
+
+  static BwdWorkspaceLayout of(int64_t instances, int64_t seqlen_q, int64_t head_dim, int elem_bytes) {
+    BwdWorkspaceLayout w;
+    w.d_pad = bwd_padded_head_dim(head_dim);
+    w.block_m = bwd_dq_grid(elem_bytes, static_cast<int>(w.d_pad)).block_m;
+    w.q_tiles = (seqlen_q + w.block_m - 1) / w.block_m;
+    w.t_pad = w.q_tiles * w.block_m;
+    w.sems_off = 256;
+    w.dq_acc_off = w.sems_off + align(instances * w.q_tiles * 4);
+    w.lse2_off = w.dq_acc_off + align(instances * w.t_pad * w.d_pad * 4);
+    w.zero_bytes = w.lse2_off;
+    w.delta_off = w.lse2_off + align(instances * w.t_pad * 4);
+    w.total_bytes = w.delta_off + align(instances * w.t_pad * 4) + 256;
+    return w;
+  }
+};
+
+// Launch-time values, computed once on the host (backward.cu).
+struct BwdRuntime {
+  float score_mul;  // scale * log2 e
+  float scale;
+  bool bias_f32;    // bias / dbias are float32 rather than T
+  // 16-byte-aligned rows (base, row and instance strides): cp.async / vector stores.
+  bool q_vec, k_vec, v_vec, do_vec, dk_vec, dv_vec;
+
+  // Workspace (see BwdWorkspaceLayout).
+  int* counter;
+  int* sems;
+  float* dq_acc;
+  float* lse2;
+  float* delta;
+  int64_t q_tiles, t_pad, d_pad;
+  BwdDqGrid dq;   // the accumulator's layout (the post-pass reads it)
+  bool dq_bulk;   // sm_90+: dQ staged in shared memory and bulk-reduced
+  bool general;   // the main kernel variant: bias, mask or unaligned q / k / v / dO rows
+
+  // The main kernel: one CTA per (kept instance, key tile of the variant's
+  // BLOCK_N); it loops over the `kv_reduced` instances that share its dK / dV
+  // (the axes where dk and dv have stride 0: a GQA group). The dbias kernel
+  // (always the general variant) uses the same key tiles.
+  uint32_t kv_reduce_mask;
+  int64_t kv_kept, kv_reduced, k_tiles;
+
+  // The dbias kernel: outputs per dbias-kept instance, summed over the
+  // `dbias_reduced` instances it is broadcast along, and over rows / columns
+  // when dbias has a single row / column (row / col stride 0, T / S > 1).
+  uint32_t dbias_reduce_mask;
+  int64_t dbias_kept, dbias_reduced;
+  bool dbias_one_row, dbias_one_col;
+};
+
+// The instance axes (bits) along which an output is shared: stride 0, size > 1.
+inline uint32_t shared_axes(const AttentionParams& p, const ArrayView& out) {
+  uint32_t bits = 0;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (p.inst_size[d] > 1 && out.inst_stride[d] == 0) bits |= 1u << d;
+  return bits;
+}
+
+// Number of instances along the axes in `mask` (reduced) or the others.
+inline int64_t split_count(const AttentionParams& p, uint32_t mask, bool reduced) {
+  int64_t n = 1;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (((mask >> d) & 1u) == static_cast<uint32_t>(reduced)) n *= p.inst_size[d];
+  return n;
+}
+
+// The linear instance whose non-`mask` axes are numbered `kept` and `mask`
+// axes `reduced` (row-major within each group), as in the CPU's InstanceSplit.
+__device__ __forceinline__ int64_t compose_instance(const AttentionParams& p, uint32_t mask, int64_t kept,
+                                                    int64_t reduced) {
+  int64_t linear = 0, stride = 1;
+#pragma unroll
+  for (int d = kMaxInstanceDims - 1; d >= 0; --d) {
+    if (d < p.num_inst_dims) {
+      const int64_t n = p.inst_size[d];
+      int64_t i;
+      if ((mask >> d) & 1u) {
+        const int64_t q = reduced / n;
+        i = reduced - q * n;
+        reduced = q;
+      } else {
+        const int64_t q = kept / n;
+        i = kept - q * n;
+        kept = q;
+      }
+      linear += i * stride;
+      stride *= n;
+    }
+  }
+  return linear;
+}
+
+}  // namespace jaxflash::gpu

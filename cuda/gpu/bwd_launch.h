@@ -1,0 +1,65 @@
+// Launcher of one (dtype, padded head dim) instantiation of the backward's
+// main and dbias kernels. Included only by instantiations/bwd_*.cu, one per
+// pair, so the heavy template instantiations build in parallel; backward.cu
+// validates, runs the pre / post passes and dispatches here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "bwd_dbias.h"
+#include "bwd_kernel.h"
+#include "bwd_kernel_traits.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// Always set: the kernels also hold a little static shared memory, so even
+// 48 KB of dynamic memory needs the opt-in.
+template <class Kernel>
+cudaError_t raise_smem_limit(Kernel* kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+template <class T, int D, bool kGeneral>
+cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
+  using Cfg = BwdConfig<T, D, kGeneral>;
+  auto* kernel = &backward_kernel<Cfg>;
+  const int smem = Cfg::kSmemBytes + (rt.dq_bulk ? Cfg::kDqStageBytes : 0);
+  if (const cudaError_t err = raise_smem_limit(kernel, smem); err != cudaSuccess) return err;
+  const int64_t blocks = rt.kv_kept * rt.k_tiles;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(p, rt);
+  return cudaGetLastError();
+}
+
+template <class T, int D, class BiasT>
+cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
+  using Cfg = BwdConfig<T, D, true>;
+  auto* kernel = &dbias_kernel<Cfg, BiasT>;
+  if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kDbiasSmemBytes); err != cudaSuccess) return err;
+  int64_t blocks = rt.dbias_kept;
+  if (!rt.dbias_one_col || !rt.dbias_one_row) blocks *= rt.dbias_one_row ? rt.k_tiles : rt.q_tiles;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kDbiasSmemBytes, stream>>>(p, rt);
+  return cudaGetLastError();
+}
+
+// Expects p validated, rt filled and the workspace prepared (backward.cu).
+template <class T, int D>
+cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
+  cudaError_t err = rt.general ? launch_backward_main<T, D, true>(p, rt, stream)
+                               : launch_backward_main<T, D, false>(p, rt, stream);
+  if (err != cudaSuccess || !p.has(kHasDbias) || p.seqlen_q == 0 || p.seqlen_k == 0) return err;
+  if constexpr (sizeof(T) == 4) {
+    return launch_backward_dbias<T, D, float>(p, rt, stream);
+  } else {
+    return rt.bias_f32 ? launch_backward_dbias<T, D, float>(p, rt, stream) : launch_backward_dbias<T, D, T>(p, rt, stream);
+  }
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,124 @@
+// P and dS of one (Q tile, K tile) pair, for one warp's block of the S grid:
+//   S  = Q K^T (raw),  s2 = S * scale * log2 e + bias * log2 e - lse * log2 e
+//   P  = exp2(s2)  (0 where masked, and for rows with no gradient: lse2 = +inf)
+//   dP = dO V^T,       dS = P o (dP - delta)
+// Shared by the main kernel and the dbias kernel. Visibility is params.h's
+// rule (primitives/bwd_score.h), as in the forward.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "bwd_kernel_traits.h"
+#include "primitives/bwd_mma.h"
+#include "primitives/bwd_score.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// The per-instance operands the scores read (instance origins).
+struct ScoreInputs {
+  const void* bias;     // T or float (BwdRuntime::bias_f32); null when absent
+  const uint8_t* mask;  // null when absent
+  const float* lse2;    // workspace rows of this instance
+  const float* delta;
+};
+
+// Whether every row of [m0, m0 + BM) below q_len sees every key of [n0, n0 + BN)
+// by position (then the position mask is skipped; rows >= q_len have lse2 = +inf,
+// so their P is 0 anyway).
+template <int BM, int BN>
+__device__ __forceinline__ bool tile_pair_full(const AttentionParams& p, const InstanceBounds& b, int64_t m0,
+                                               int64_t n0) {
+  if (n0 + BN > b.kv_len) return false;
+  const int64_t last_row = min(m0 + BM, b.q_len) - 1;
+  if (p.window_left != kUnbounded && n0 < last_row + b.offset - p.window_left) return false;
+  if (p.window_right != kUnbounded && n0 + BN - 1 > m0 + b.offset + p.window_right) return false;
+  return true;
+}
+
+// pr <- P, ds <- dS for the warp block at (row0, col0) of the tile pair (m0, n0),
+// in fp32. sQ / sdO hold rows m0.., sK / sV keys n0...
+template <class Cfg>
+__device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kSNF][4],
+                                                  float (&ds)[Cfg::kSMF][Cfg::kSNF][4], const AttentionParams& p,
+                                                  const BwdRuntime& rt, const InstanceBounds& b,
+                                                  const ScoreInputs& in, int64_t m0, int64_t n0, bool full,
+                                                  const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK,
+                                                  const typename Cfg::QTile& sdO, const typename Cfg::KTile& sV,
+                                                  int row0, int col0, int lane) {
+  using T = typename Cfg::T;
+  constexpr int MF = Cfg::kSMF, NF = Cfg::kSNF, D = Cfg::kHeadDim;
+
+  // Row statistics first: their loads fly during the GEMM.
+  float lse2[MF][2], delta[MF][2];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = m0 + row0 + c_row(mf, 2 * h, lane);
+      lse2[mf][h] = __ldg(in.lse2 + t);
+      delta[mf][h] = __ldg(in.delta + t);
+    }
+
+  zero_frags(pr);
+  warp_gemm<T, AOrder::kMK, BOrder::kNK, D, Cfg::kTiles.unroll>(pr, sQ, row0, sK, col0, lane);
+
+  const ScoreBlock blk(p, b, m0 + row0, n0 + col0);
+  bool biased = false;
+  if constexpr (Cfg::kGeneral) {
+    if (in.bias != nullptr) {
+      biased = true;
+      const ArrayView& v = p.bias;
+      auto add = [&](auto unit_col, auto* ptr) {
+        bwd_add_bias<decltype(unit_col)::value>(pr, ptr, v.row_stride, v.col_stride, blk, rt.score_mul, lane);
+      };
+      if (rt.bias_f32) {
+        if (v.col_stride == 1) add(std::true_type{}, static_cast<const float*>(in.bias));
+        else add(std::false_type{}, static_cast<const float*>(in.bias));
+      } else {
+        if (v.col_stride == 1) add(std::true_type{}, static_cast<const T*>(in.bias));
+        else add(std::false_type{}, static_cast<const T*>(in.bias));
+      }
+    }
+  }
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float& x = pr[mf][nf][i];
+        x = biased ? x - lse2[mf][i >> 1] : fmaf(x, rt.score_mul, -lse2[mf][i >> 1]);
+      }
+  if (!full) bwd_mask_positions(pr, blk, lane);
+  if constexpr (Cfg::kGeneral) {
+    if (in.mask != nullptr) {
+      if (p.mask.col_stride == 1) bwd_apply_mask<true>(pr, in.mask, p.mask.row_stride, 1, blk, lane);
+      else bwd_apply_mask<false>(pr, in.mask, p.mask.row_stride, p.mask.col_stride, blk, lane);
+    }
+  }
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pr[mf][nf][i] = fast_exp2(pr[mf][nf][i]);  // exp2(-inf) = 0
+
+  zero_frags(ds);
+  warp_gemm<T, AOrder::kMK, BOrder::kNK, D, Cfg::kTiles.unroll>(ds, sdO, row0, sV, col0, lane);
+  // P = 0 (masked, or a row without gradient) gives dS = 0 exactly, whatever dP
+  // is: an inf in V cannot leak into invisible positions as 0 * inf = NaN.
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float pv = pr[mf][nf][i];
+        ds[mf][nf][i] = pv != 0.f ? pv * (ds[mf][nf][i] - delta[mf][i >> 1]) : 0.f;
+      }
+}
+
+}  // namespace jaxflash::gpu

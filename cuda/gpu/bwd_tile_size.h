@@ -1,0 +1,116 @@
+// The one table of backward tile sizes and warp layouts, by element size and
+// padded head dim. Read by the kernels (bwd_kernel_traits.h) and by the host
+// (backward.cu: the workspace layout depends on BLOCK_M), so it is a constexpr
+// function usable on both sides.
+//
+// One CTA owns BLOCK_N keys (its dK / dV rows) and walks BLOCK_M-row Q tiles.
+// Per Q tile it runs five GEMMs, each with its own warp grid:
+//   S  = Q K^T, dP = dO V^T  : BLOCK_M x BLOCK_N, warps s_warps_m x (warps / s_warps_m)
+//   dV += P^T dO, dK += dS^T Q: BLOCK_N x D,       warps kv_warps_m x (warps / kv_warps_m)
+//   dQ  = dS K               : BLOCK_M x D,       warps q_warps_m x (warps / q_warps_m)
+// P and dS go through shared memory between the first pair and the rest, so
+// the grids are independent. Shared memory = (2 BLOCK_M + 2 BLOCK_N) x D + 2
+// BLOCK_M x BLOCK_N elements (Q, dO, K, V, P, dS).
+//
+// Registers per lane: dK + dV accumulators 2 BLOCK_N D / (32 warps), live all
+// along; S + dP 2 BLOCK_M BLOCK_N / (32 warps); the dQ partial BLOCK_M D /
+// (32 warps q_chunks), transient. Every row below compiles without spills at
+// 255 registers (8 warps, so one CTA per SM): 64 x 64 tiles keep the dK/dV
+// accumulators at 2 x 16 x D/2 per lane; BLOCK_N = 128 at D = 128 spilled, as
+// did a 128-register cap (two CTAs per SM) at D = 64. 16-bit D = 32 / 64 take
+// BLOCK_N = 128 in the fast variant: half the dQ reductions and semaphore
+// steps per key, whose fixed cost per Q tile dominates at small D (64 x 64 ran
+// 40% slower at D = 64 on an H100); the general variant needs its registers
+// for bias / mask and keeps 64. fp32 (tf32) tiles are twice as large per
+// element, so BLOCK_M and then BLOCK_N shrink instead.
+//
+// Shared memory: the tiles, plus on sm_90 a BLOCK_M x D/q_chunks fp32 stage
+// for the dQ bulk reduction. Without it (sm_80 path) every 16-bit row up to
+// D = 128 and fp32 up to 64 fits sm_86 / sm_89's 99 KB; D >= 192 (and fp32
+// D >= 96) need sm_80 / sm_90 shared memory.
+//
+//   elem  D    BLOCK_M BLOCK_N  tiles  +sm_90 stage
+//   16b   32      64     128    56 KB   8 KB   (general variant: 64 x 64, 32 KB)
+//   16b   64      64     128    80 KB  16 KB   (general variant: 64 x 64, 48 KB)
+//   16b   96      64      64    64 KB  24 KB
+//   16b  128      64      64    80 KB  32 KB
+//   16b  192      64      64   112 KB  24 KB   (dQ in 2 column chunks)
+//   16b  256      64      64   144 KB  32 KB   (dQ in 2 column chunks)
+//   f32   32      64      64    64 KB   8 KB
+//   f32   64      64      64    96 KB  16 KB
+//   f32   96      32      64    88 KB  12 KB
+//   f32  128      32      64   112 KB  16 KB
+//   f32  192      32      32   104 KB  24 KB
+//   f32  256      32      32   136 KB  32 KB
+#pragma once
+
+namespace jaxflash::gpu {
+
+struct BwdTiles {
+  int block_m;     // query rows per tile (also the dQ accumulator's row padding)
+  int block_n;     // keys per CTA
+  int warps;
+  int s_warps_m;   // warp rows of the S / dP grid
+  int kv_warps_m;  // warp rows of the dK / dV grid
+  int q_warps_m;   // warp rows of the dQ grid
+  int q_chunks;    // the dQ GEMM runs in this many column chunks (registers)
+  int min_blocks;  // __launch_bounds__ minimum CTAs per SM
+  int unroll;      // k steps of a warp GEMM unrolled together (more: more registers in flight)
+};
+
+// `general`: the variant with bias / mask / unaligned rows (see
+// bwd_kernel_traits.h), which needs registers of its own: at 16-bit D <= 64 it
+// takes BLOCK_N = 64 where the fast variant takes 128 (which would spill).
+// Both variants share BLOCK_M and the dQ grid (the workspace layout).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr BwdTiles bwd_tiles(int elem_bytes, int d, bool general) {
+  if (elem_bytes == 2) {
+    switch (d) {
+      case 32: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 8, 4, 1, 1, 4};
+      case 64: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 8, 4, 1, 1, 4};
+      case 96: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
+      case 128: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 4};
+      case 192: return {64, 64, 8, 4, 4, 4, 2, 1, 2};
+      default: return {64, 64, 8, 4, 4, 4, 2, 1, 2};  // 256
+    }
+  }
+  switch (d) {
+    case 32: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
+    case 64: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
+    case 96: return {32, 64, 8, 2, 4, 2, 1, 1, 2};
+    case 128: return {32, 64, 8, 2, 4, 2, 1, 1, 2};
+    case 192: return {32, 32, 8, 2, 2, 2, 1, 1, 2};
+    default: return {32, 32, 8, 2, 2, 2, 1, 1, 2};  // 256
+  }
+}
+
+// The dQ warp grid, which also fixes the layout of the dQ accumulator in the
+// workspace: per (instance, Q tile, column chunk) one contiguous block of
+// block_m x chunk_cols floats in MMA-fragment order (see bwd_kernel.h), so the
+// kernel moves it with one bulk reduction and the post-pass un-permutes it.
+struct BwdDqGrid {
+  int block_m, chunks, chunk_cols;  // the tile is chunks x (block_m x chunk_cols)
+  int warps_n, rows, cols, mf, nf;  // warp (wm, wn) owns rows [wm rows, +rows) x cols [wn cols, +cols)
+};
+
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr BwdDqGrid bwd_dq_grid(int elem_bytes, int d) {
+  const BwdTiles t = bwd_tiles(elem_bytes, d, false);
+  const int warps_n = t.warps / t.q_warps_m, rows = t.block_m / t.q_warps_m, chunk_cols = d / t.q_chunks;
+  const int cols = chunk_cols / warps_n;
+  return {t.block_m, t.q_chunks, chunk_cols, warps_n, rows, cols, rows / 16, cols / 8};
+}
+
+// The padded head dim a kernel instantiation is compiled for.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr int bwd_padded_head_dim(long long h) {
+  return h <= 32 ? 32 : h <= 64 ? 64 : h <= 96 ? 96 : h <= 128 ? 128 : h <= 192 ? 192 : 256;
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,89 @@
+// Validation, launch-time constants and the (dtype, head dim) dispatch of the
+// forward pass. The kernels themselves are instantiated in instantiations/.
+#include "forward.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernel_traits.h"
+#include "primitives/positions.h"
+
+namespace jaxflash::gpu {
+
+// Defined in instantiations/fwd_<dtype>_d<D>.cu.
+template <class T, int D>
+cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream);
+
+namespace {
+
+// Whether every row of `view` starts on a 16-byte boundary (base, row stride and
+// instance strides), so rows can move in 16-byte chunks.
+bool rows_aligned(const AttentionParams& p, const ArrayView& view, int elem_bytes) {
+  const int64_t chunk = 16 / elem_bytes;
+  if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || view.row_stride % chunk != 0) return false;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (p.inst_size[d] > 1 && view.inst_stride[d] % chunk != 0) return false;
+  return true;
+}
+
+template <class T>
+cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
+  const int64_t h = p.head_dim;
+  if (h <= 32) return launch_forward_instance<T, 32>(p, rt, stream);
+  if (h <= 64) return launch_forward_instance<T, 64>(p, rt, stream);
+  if (h <= 96) return launch_forward_instance<T, 96>(p, rt, stream);
+  if (h <= 128) return launch_forward_instance<T, 128>(p, rt, stream);
+  if (h <= 192) return launch_forward_instance<T, 192>(p, rt, stream);
+  return launch_forward_instance<T, 256>(p, rt, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  int elem_bytes;
+  switch (p.dtype) {
+    case DType::kF32: elem_bytes = 4; break;
+    case DType::kF16:
+    case DType::kBF16: elem_bytes = 2; break;
+    default: return cudaErrorInvalidValue;
+  }
+  // Positions are 32-bit in the kernel (see primitives/positions.h).
+  if (p.head_dim < 0 || p.head_dim > 256 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.seqlen_q >= kMaxSeqLen ||
+      p.seqlen_k >= kMaxSeqLen)
+    return cudaErrorInvalidValue;
+  if (p.seqlen_q == 0 || p.num_instances() == 0) return cudaSuccess;  // nothing to write
+  // The kernel copies rows of q/k/v/o in contiguous chunks.
+  if (p.head_dim > 1 && (p.q.col_stride != 1 || p.k.col_stride != 1 || p.v.col_stride != 1 || p.o.col_stride != 1))
+    return cudaErrorInvalidValue;
+  const bool has_bias = p.has(kHasBias), has_mask = p.has(kHasMask);
+  if (has_bias && p.bias_dtype != p.dtype && p.bias_dtype != DType::kF32) return cudaErrorInvalidValue;
+  // A flagged operand must be there whenever it could be read (zero-size
+  // buffers arrive as null, and then nothing reads them).
+  const bool any_key = p.seqlen_k > 0;
+  if ((has_bias && any_key && p.bias.data == nullptr) || (has_mask && any_key && p.mask.data == nullptr) ||
+      (p.has(kHasQLens) && p.q_lens.data == nullptr) || (p.has(kHasKvLens) && p.kv_lens.data == nullptr))
+    return cudaErrorInvalidValue;
+
+  constexpr float kLog2e = 1.4426950408889634f;
+  FwdRuntime rt;
+  rt.score_mul = p.scale * kLog2e;
+  // The unfolded path takes the running max of raw scores, which commutes
+  // with the scaling only for scale > 0.
+  rt.fold_scale = has_bias || !(p.scale > 0.f);
+  rt.exp_scale = rt.fold_scale ? 1.f : rt.score_mul;
+  rt.bias_f32 = p.bias_dtype == DType::kF32;
+  rt.q_vec = rows_aligned(p, p.q, elem_bytes);
+  rt.k_vec = rows_aligned(p, p.k, elem_bytes);
+  rt.v_vec = rows_aligned(p, p.v, elem_bytes);
+  rt.o_vec = rows_aligned(p, p.o, p.has(kOutputF32) ? 4 : elem_bytes);
+
+  switch (p.dtype) {
+    case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);
+    case DType::kBF16: return dispatch_head_dim<__nv_bfloat16>(p, rt, stream);
+    default: return dispatch_head_dim<float>(p, rt, stream);
+  }
+}
+
+}  // namespace jaxflash::gpu

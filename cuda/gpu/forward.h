@@ -1,0 +1,20 @@
+// CUDA forward pass (FlashAttention-2 design, mma.sync tensor cores, sm_80+).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// o and lse of `p` (see params.h), computed on `stream`; o in dtype, or in
+// float32 with kOutputF32.
+//   dtype f16 / bf16: fp16 / bf16 tensor-core MMAs, fp32 accumulation and softmax.
+//   dtype f32: tf32 tensor-core MMAs (operands rounded to tf32), fp32 softmax.
+// Requires head_dim <= 256, T and S < 2^28, unit column stride for q, k, v
+// and o, and a bias in dtype or float32. Returns cudaErrorInvalidValue when p
+// breaks those, else cudaGetLastError() after the launch. Never allocates or
+// synchronises (safe under CUDA-graph capture); empty problems launch nothing.
+cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,69 @@
+// The forward kernel: one CTA per (BLOCK_M query rows, instance), 4 warps each
+// owning BLOCK_M / 4 rows outright (no inter-warp reduction anywhere).
+#pragma once
+
+#include <cstdint>
+
+#include "fwd_epilogue.h"
+#include "fwd_mainloop.h"
+#include "instance.h"
+#include "kernel_traits.h"
+#include "primitives/positions.h"
+#include "primitives/softmax.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    forward_kernel(const __grid_constant__ AttentionParams p, const FwdRuntime rt) {
+  extern __shared__ __align__(128) char smem[];
+  const typename Cfg::QTile sQ{smem};
+  const typename Cfg::KTile sK{smem + Cfg::QTile::kBytes};
+  const typename Cfg::VTile sV{smem + Cfg::QTile::kBytes + Cfg::KTile::kBytes};
+
+  // A flat 1-D grid (instances can exceed gridDim.y's 65535). Query tiles of an
+  // instance are adjacent, so they meet the same K/V in L2, and go last-first:
+  // under causal masking the last tile has the most keys and should start early.
+  const int num_m = static_cast<int>((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  const int64_t linear = blockIdx.x / num_m;
+  const int m0 = (num_m - 1 - static_cast<int>(blockIdx.x % num_m)) * Cfg::kBlockM;
+
+  const InstanceBounds bounds = instance_bounds(p, linear);
+  const KeyRange keys = visible_keys(p, bounds, m0, m0 + Cfg::kBlockM);
+  const Positions pos(p, bounds);
+  using T = typename Cfg::T;
+  FwdOperands<T> ops;
+  {
+    const InstanceIndex inst(p, linear);
+    ops.q = inst.origin<const T>(p, p.q);
+    ops.k = inst.origin<const T>(p, p.k);
+    ops.v = inst.origin<const T>(p, p.v);
+    ops.bias = nullptr, ops.mask = nullptr;
+    if (Cfg::kGeneral && p.has(kHasBias))
+      ops.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))
+                             : static_cast<const void*>(inst.origin<const T>(p, p.bias));
+    if (Cfg::kGeneral && p.has(kHasMask)) ops.mask = inst.origin<const uint8_t>(p, p.mask);
+    ops.o = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
+    ops.lse = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
+  }
+
+  float o[Cfg::kMF][Cfg::kDF][4];
+#pragma unroll
+  for (int mf = 0; mf < Cfg::kMF; ++mf)
+#pragma unroll
+    for (int df = 0; df < Cfg::kDF; ++df)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mf][df][i] = 0.f;
+  SoftmaxState<Cfg::kMF> st;
+  st.init();
+
+  // No visible key for any row (or all rows padding): the epilogue alone
+  // writes O = 0 and lse = -inf.
+  if (keys.lo < keys.hi)
+    forward_mainloop<Cfg>(p, rt, pos, ops, m0, static_cast<int>(keys.lo),
+                          static_cast<int>(keys.hi), sQ, sK, sV, o, st, threadIdx.x);
+  forward_epilogue<Cfg>(p, rt, pos, ops.o, ops.lse, m0, sQ, o, st, threadIdx.x);
+}
+
+}  // namespace jaxflash::gpu

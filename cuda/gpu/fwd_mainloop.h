@@ -1,0 +1,143 @@
+// The forward main loop of one CTA: stream the visible K/V tiles through
+// shared memory and fold each into the running softmax and O of the CTA's
+// BLOCK_M query rows.
+//
+// Pipeline (one K buffer, one V buffer, each load overlapped with the other GEMM):
+//
+//   wait K_j           | issue V_j   | S = Q K_j^T, scores
+//   wait V_j           | issue K_j-1 | softmax, O += P V_j
+//
+// so every copy has a whole GEMM to hide behind while shared memory stays at
+// (BLOCK_M + 2 BLOCK_N) x D. The barrier before each issue also guarantees the
+// buffer it overwrites is no longer read by any warp.
+//
+// Tiles go from the last to the first (the softmax does not care), so the one
+// tile with rows past kv_len is the first: its K is loaded before the loop and
+// every K loaded inside is whole, a copy with no bounds. Only tiles that need
+// the position mask (kv_len, the diagonal and window edges) are "masked". With
+// Cfg::kSplitSteps masked and whole tiles get separate copies of the step (the
+// whole one free of mask branches); otherwise one copy branches inside.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernel_traits.h"
+#include "primitives/mma.h"
+#include "primitives/positions.h"
+#include "primitives/score.h"
+#include "primitives/smem_tile.h"
+#include "primitives/softmax.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// Scale, bias and masks of the warp's block of one score tile (see score.h).
+// The fast variant sees neither bias nor mask nor a folded scale; tiles every
+// row sees whole (`full`) skip the position mask.
+template <class Cfg>
+__device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], const AttentionParams& p,
+                                           const FwdRuntime& rt, const Positions& pos,
+                                           const FwdOperands<typename Cfg::T>& ops,
+                                           int row0, int n0, bool full, int lane) {
+  using T = typename Cfg::T;
+  if constexpr (Cfg::kGeneral) {
+    if (ops.bias != nullptr) {
+      const ArrayView& v = p.bias;
+      auto add = [&](auto unit_col, auto* ptr) {
+        using BiasT = std::remove_const_t<std::remove_pointer_t<decltype(ptr)>>;
+        add_bias<decltype(unit_col)::value>(s, QueryKeyView<BiasT>{ptr, v.row_stride, v.col_stride}, row0, n0,
+                                            pos, rt.score_mul, lane);
+      };
+      // A unit column stride (the usual layout) gets immediate-offset loads.
+      if (rt.bias_f32) {
+        if (v.col_stride == 1) add(std::true_type{}, static_cast<const float*>(ops.bias));
+        else add(std::false_type{}, static_cast<const float*>(ops.bias));
+      } else {
+        if (v.col_stride == 1) add(std::true_type{}, static_cast<const T*>(ops.bias));
+        else add(std::false_type{}, static_cast<const T*>(ops.bias));
+      }
+    } else if (rt.fold_scale) {
+      scale_scores(s, rt.score_mul);
+    }
+  }
+  if (!full) mask_positions(s, BlockWindow(pos, row0, n0), lane);
+  if constexpr (Cfg::kGeneral) {
+    if (ops.mask != nullptr) {
+      const QueryKeyView<uint8_t> view{ops.mask, p.mask.row_stride, p.mask.col_stride};
+      if (view.col_stride == 1) apply_mask<true>(s, view, row0, n0, pos, lane);
+      else apply_mask<false>(s, view, row0, n0, pos, lane);
+    }
+  }
+}
+
+// Runs over the key tiles covering [key_lo, key_hi) (non-empty) for query rows
+// [m0, m0 + BLOCK_M). On return o holds the unnormalised output of this warp's
+// rows and st their softmax state.
+template <class Cfg>
+__device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const FwdRuntime& rt,
+                                                 const Positions& pos, const FwdOperands<typename Cfg::T>& ops, int m0,
+                                                 int key_lo, int key_hi, const typename Cfg::QTile& sQ,
+                                                 const typename Cfg::KTile& sK, const typename Cfg::VTile& sV,
+                                                 float (&o)[Cfg::kMF][Cfg::kDF][4], SoftmaxState<Cfg::kMF>& st,
+                                                 int tid) {
+  using T = typename Cfg::T;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kThreads = Cfg::kThreads;
+  const int lane = tid % 32;
+  const int warp_row = (tid / 32) * Cfg::kWarpRows;  // first row of this warp in the tile
+  // The fast variant runs only on whole head dims and aligned rows: as
+  // compile-time facts they remove the bounds and the fallback from its copies.
+  const int cols = Cfg::kGeneral ? static_cast<int>(p.head_dim) : Cfg::kHeadDim;
+  const bool q_vec = !Cfg::kGeneral || rt.q_vec, k_vec = !Cfg::kGeneral || rt.k_vec;
+  const bool v_vec = !Cfg::kGeneral || rt.v_vec;
+  const int64_t k_stride = p.k.row_stride, v_stride = p.v.row_stride;
+  // K/V rows past kv_len are zero-filled, not read: padding may hold anything
+  // (NaN included), and 0 * NaN would leak into O through P = 0.
+  auto kv_rows = [&](int n0) { return min(pos.kv_len - n0, BN); };
+
+  const int first = key_lo / BN * BN, last = (key_hi - 1) / BN * BN;
+  load_tile<kThreads>(sQ, ops.q + m0 * p.q.row_stride, p.q.row_stride, min(pos.q_len - m0, BM), cols, q_vec, tid);
+  load_tile<kThreads>(sK, ops.k + last * k_stride, k_stride, kv_rows(last), cols, k_vec, tid);
+  cp_async_commit();
+
+  // One key tile at n0. masked (a bool, or a std::bool_constant for a
+  // specialised copy): the position mask applies, and V may end past kv_len.
+  auto step = [&](int n0, auto masked_arg) {
+    bool masked;  // a compile-time constant in the specialised copies
+    if constexpr (std::is_same_v<decltype(masked_arg), bool>)
+      masked = masked_arg;
+    else
+      masked = decltype(masked_arg)::value;
+    cp_async_wait<0>();  // K of this tile (and Q, the first time) landed
+    __syncthreads();     // ... for every thread; and every warp is done with the previous V
+    load_tile<kThreads>(sV, ops.v + n0 * v_stride, v_stride, masked ? kv_rows(n0) : BN, cols, v_vec, tid);
+    cp_async_commit();
+
+    float s[Cfg::kMF][Cfg::kNF][4];
+    gemm_qk<T, Cfg::kUnrollQk>(s, sQ, sK, warp_row, lane);
+    score_tile<Cfg>(s, p, rt, pos, ops, m0 + warp_row, n0, !masked, lane);
+
+    cp_async_wait<0>();  // V landed
+    __syncthreads();     // ... for every thread; and every warp is done with K
+    if (n0 > first) {    // the next tile down is whole: n0 - BN + BN <= kv_len
+      load_tile<kThreads>(sK, ops.k + (n0 - BN) * k_stride, k_stride, BN, cols, k_vec, tid);
+      cp_async_commit();
+    }
+    online_softmax(s, o, st, rt.exp_scale);
+    uint32_t a[Cfg::kMF][Cfg::kBlockN / MmaOps<T>::kK][4];
+    p_fragments<T>(a, s);
+    gemm_pv<T>(o, a, sV, lane);
+  };
+
+  const FullTiles<BN> full(pos, m0, min(m0 + BM, pos.q_len) - 1);
+  if constexpr (Cfg::kSplitSteps) {
+    int n0 = last;
+    for (; n0 >= first && n0 > full.hi; n0 -= BN) step(n0, std::true_type{});    // kv_len, diagonal, right edge
+    for (; n0 >= first && n0 >= full.lo; n0 -= BN) step(n0, std::false_type{});  // the bulk
+    for (; n0 >= first; n0 -= BN) step(n0, std::true_type{});                     // left window edge
+  } else {
+    for (int n0 = last; n0 >= first; n0 -= BN) step(n0, !full.contain(n0));
+  }
+}
+
+}  // namespace jaxflash::gpu

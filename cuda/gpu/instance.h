@@ -1,0 +1,44 @@
+// Per-CTA view of one instance: its coordinates, decomposed once (64-bit
+// divisions are slow, and params.h's instance_offset() would redo them for
+// every operand), then dotted with each operand's instance strides. Same
+// offsets as instance_offset(). Built once, before the main loop, and dropped:
+// the few origins the kernel needs cost fewer registers than the coordinates.
+#pragma once
+
+#include <cstdint>
+
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+struct InstanceIndex {
+  int64_t coord[kMaxInstanceDims];
+
+  // Unrolled over kMaxInstanceDims with a guard, so coord stays in registers.
+  __device__ __forceinline__ InstanceIndex(const AttentionParams& p, int64_t linear) {
+#pragma unroll
+    for (int d = kMaxInstanceDims - 1; d >= 0; --d) {
+      coord[d] = 0;
+      if (d < p.num_inst_dims) {
+        const int64_t q = linear / p.inst_size[d];
+        coord[d] = linear - q * p.inst_size[d];
+        linear = q;
+      }
+    }
+  }
+
+  __device__ __forceinline__ int64_t offset(const AttentionParams& p, const ArrayView& view) const {
+    int64_t off = 0;
+#pragma unroll
+    for (int d = 0; d < kMaxInstanceDims; ++d)
+      if (d < p.num_inst_dims) off += coord[d] * view.inst_stride[d];
+    return off;
+  }
+
+  template <class U>
+  __device__ __forceinline__ U* origin(const AttentionParams& p, const ArrayView& view) const {
+    return static_cast<U*>(view.data) + offset(p, view);
+  }
+};
+
+}  // namespace jaxflash::gpu

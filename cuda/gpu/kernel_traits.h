@@ -1,0 +1,69 @@
+// Compile-time shape of one forward kernel instantiation, derived from the
+// element type, the padded head dim and tile_size.h; and the launch-time values
+// the launcher precomputes for it.
+#pragma once
+
+#include <cstdint>
+
+#include "primitives/smem_tile.h"
+#include "tile_size.h"
+
+namespace jaxflash::gpu {
+
+// Two variants per (T, D): the fast one, for the common case, and the general
+// one for everything else, so the fast one carries none of the registers the
+// rare features need:
+//   fast    : no bias, no mask, scale > 0, head_dim == D, rows of q, k and v
+//             16-byte aligned
+//   general : everything else: bias and / or mask, any scale, padded head
+//             dims, any row alignment (element-wise fallback copy)
+template <class T_, int D, bool kGeneral_>
+struct FwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = D;                // padded; columns >= head_dim are zero
+  static constexpr bool kGeneral = kGeneral_;
+  static constexpr int kBlockM = FwdTileSize<sizeof(T), D, kGeneral>::kBlockM;
+  static constexpr int kBlockN = FwdTileSize<sizeof(T), D, kGeneral>::kBlockN;
+  static constexpr bool kUnrollQk = FwdTileSize<sizeof(T), D, kGeneral>::kUnrollQk;
+  static constexpr bool kSplitSteps = FwdTileSize<sizeof(T), D, kGeneral>::kSplitSteps;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWarpRows = kBlockM / kWarps;  // each warp owns these query rows outright
+  static constexpr int kMF = kWarpRows / 16;          // m16 fragments per warp
+  static constexpr int kNF = kBlockN / 8;             // n8 fragments of a score tile
+  static constexpr int kDF = D / 8;                   // n8 fragments of O
+  static_assert(kWarpRows % 16 == 0, "a warp owns whole m16 fragments");
+
+  using QTile = SmemTile<T, kBlockM, D>;  // Q, then O on its way out
+  using KTile = SmemTile<T, kBlockN, D>;
+  using VTile = SmemTile<T, kBlockN, D>;
+  static constexpr int kSmemBytes = QTile::kBytes + KTile::kBytes + VTile::kBytes;
+};
+
+// Every operand's origin at one CTA's instance (see instance.h).
+template <class T>
+struct FwdOperands {
+  const T *q, *k, *v;
+  const void* bias;     // T or float (FwdRuntime::bias_f32); null when absent or unread
+  const uint8_t* mask;  // null when absent or unread
+  void* o;     // T, or float with kOutputF32
+  float* lse;  // null when absent
+};
+
+// Launch-time values, computed once on the host (see forward.cu).
+struct FwdRuntime {
+  // Scores reach the softmax as s, in units where exp2(s * exp_scale) is the
+  // unnormalised probability. Without a bias and with scale > 0 the raw Q.K^T
+  // goes straight in (exp_scale = scale * log2 e, applied inside the FFMA of
+  // the exp2). Otherwise the scores are first rewritten as
+  // s * score_mul + bias * log2 e (score_mul = scale * log2 e) and exp_scale = 1.
+  float exp_scale;
+  float score_mul;
+  bool fold_scale;
+  bool bias_f32;  // bias is float32 rather than the input dtype
+  // 16-byte-aligned rows (base, row and instance strides; for o in its output
+  // type): cp.async and vector stores; otherwise the element-wise fallback.
+  bool q_vec, k_vec, v_vec, o_vec;
+};
+
+}  // namespace jaxflash::gpu

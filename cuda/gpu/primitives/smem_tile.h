@@ -1,0 +1,174 @@
+// A ROWS x COLS tile of T in shared memory, stored in 16-byte chunks with an
+// XOR swizzle, and the copies between it and a strided global matrix.
+//
+// Why the swizzle: ldmatrix (and the fp32 path's scalar loads) read one 16-byte
+// chunk from each of 8 consecutive rows at the same logical column. With a
+// plain row-major layout and a row pitch that is a multiple of 128 bytes those
+// 8 chunks fall in the same 4 banks (8-way conflict). XOR-ing the chunk index
+// with bits of the row index spreads the 8 rows over all 8 bank groups, for
+// every pitch this kernel uses; it also keeps cp.async stores conflict-free.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ptx.h"
+
+namespace jaxflash::gpu {
+
+template <class T, int ROWS, int COLS>
+struct SmemTile {
+  static constexpr int kRows = ROWS;
+  static constexpr int kCols = COLS;
+  static constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kChunksPerRow = COLS / kChunkElems;
+  static constexpr int kBytes = ROWS * COLS * static_cast<int>(sizeof(T));
+  static_assert(COLS % kChunkElems == 0, "rows are whole 16-byte chunks");
+  // Pitch of 8k chunks: a row spans whole 128-byte lines, so XOR the chunk with
+  // row % 8. Pitch of 4 (mod 8) chunks (64 or 192 bytes): two consecutive rows
+  // share a line, so row bit 0 already separates them and bits 1..2 pick among
+  // the 4 chunk positions.
+  static_assert(kChunksPerRow % 4 == 0, "row pitch must be a multiple of 64 bytes");
+
+  char* ptr;  // 128-byte aligned
+
+  __device__ __forceinline__ static int swizzle(int row) {
+    return kChunksPerRow % 8 == 0 ? (row & 7) : ((row >> 1) & 3);
+  }
+  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
+    return (row * kChunksPerRow + (chunk ^ swizzle(row))) * 16;
+  }
+  // Byte offset of element (row, col).
+  __device__ __forceinline__ static int offset(int row, int col) {
+    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * static_cast<int>(sizeof(T));
+  }
+  __device__ __forceinline__ uint32_t saddr(int row, int col) const { return smem_addr(ptr + offset(row, col)); }
+  template <class U>
+  __device__ __forceinline__ U& at(int row, int col) const {
+    return *reinterpret_cast<U*>(ptr + offset(row, col));
+  }
+};
+
+// Raw bits of one element: loads and stores move bits, never convert.
+template <class T>
+using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+
+// Elements [0, n) of g, zero beyond, as one 16-byte chunk: the synchronous
+// fallback for rows that are not 16-byte aligned.
+template <class T>
+__device__ __forceinline__ uint4 load_chunk_bits(const T* g, int n) {
+  const Bits<T>* b = reinterpret_cast<const Bits<T>*>(g);
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (sizeof(T) == 4) {
+      w[j] = j < n ? b[j] : 0u;
+    } else {
+      const uint32_t lo = 2 * j < n ? b[2 * j] : 0u, hi = 2 * j + 1 < n ? b[2 * j + 1] : 0u;
+      w[j] = lo | hi << 16;
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Thread layout of a whole-tile copy: kPerRow threads share a row, each
+// taking every kPerRow-th chunk of it, and a pass covers kThreads / kPerRow
+// rows. kPerRow divides both the row's chunk count and the thread count, so a
+// thread keeps one chunk column and one row pointer per pass (cheap addresses,
+// few registers) for every pitch, 12 or 24 chunks included.
+template <int kThreads, int kChunksPerRow>
+struct CopyLayout {
+  static constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+  static constexpr int kPerRow = gcd(kChunksPerRow, kThreads);
+  static constexpr int kRowsPerPass = kThreads / kPerRow;
+  static constexpr int kChunksPerThread = kChunksPerRow / kPerRow;
+};
+
+// Global matrix `src` (row pitch `row_stride` elements, unit column stride) ->
+// tile. Rows >= valid_rows and columns >= valid_cols are zero-filled and never
+// read. `vec` says the 16-byte chunks of src are 16-byte aligned (base, row and
+// instance strides); then the copy is asynchronous (cp.async, to be committed
+// by the caller), otherwise it falls back to element loads, synchronous.
+template <int kThreads, class T, int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(const SmemTile<T, ROWS, COLS>& tile, const T* src, int64_t row_stride,
+                                          int valid_rows, int valid_cols, bool vec, int tid) {
+  using Tile = SmemTile<T, ROWS, COLS>;
+  using L = CopyLayout<kThreads, Tile::kChunksPerRow>;
+  constexpr int kPasses = ROWS / L::kRowsPerPass;
+  static_assert(ROWS % L::kRowsPerPass == 0, "whole passes");
+  const int row0 = tid / L::kPerRow, chunk0 = tid % L::kPerRow;
+  if (vec && valid_rows >= ROWS && valid_cols >= COLS) {
+    // The common case, kept lean: no bounds, and one global pointer bumped
+    // pass by pass (an unrolled set of row * row_stride products would be
+    // hoisted out of the key loop and pinned in registers).
+    const T* g = src + static_cast<int64_t>(row0) * row_stride + chunk0 * Tile::kChunkElems;
+    const int64_t pass_stride = static_cast<int64_t>(L::kRowsPerPass) * row_stride;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass, g += pass_stride)
+#pragma unroll
+      for (int c = 0; c < L::kChunksPerThread; ++c)
+        cp_async_16(smem_addr(tile.ptr + Tile::chunk_offset(row0 + pass * L::kRowsPerPass, chunk0 + c * L::kPerRow)),
+                    g + c * L::kPerRow * Tile::kChunkElems);
+    return;
+  }
+  // Chunk c of pass `pass` through `copy(smem, gmem, elements to read)`.
+  auto for_chunk = [&](int pass, int c, auto&& copy) {
+    const int row = row0 + pass * L::kRowsPerPass;
+    const int chunk = chunk0 + c * L::kPerRow;
+    const int col = chunk * Tile::kChunkElems;
+    int n = row < valid_rows ? valid_cols - col : 0;
+    n = n < 0 ? 0 : (n > Tile::kChunkElems ? Tile::kChunkElems : n);
+    copy(tile.ptr + Tile::chunk_offset(row, chunk), src + static_cast<int64_t>(row) * row_stride + col, n);
+  };
+  // Tails (and everything else) are not unrolled: they are rare, and unrolled
+  // their address and bound arithmetic would cost the registers the main path
+  // needs. The element-wise fallback's loads would all be in flight at once.
+  if (vec) {
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass)
+#pragma unroll
+      for (int c = 0; c < L::kChunksPerThread; ++c)
+        for_chunk(pass, c, [&](char* s, const T* g, int n) {
+          cp_async_16_zfill(smem_addr(s), n > 0 ? g : src, n * static_cast<int>(sizeof(T)));
+        });
+  } else {
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass)
+#pragma unroll 1
+      for (int c = 0; c < L::kChunksPerThread; ++c)
+        for_chunk(pass, c, [&](char* s, const T* g, int n) {
+          *reinterpret_cast<uint4*>(s) = load_chunk_bits(g, n);
+        });
+  }
+}
+
+// Tile rows [row0, row0 + kRowsPerCopy) -> global `dst` (first of those rows),
+// copied by the `kCopyThreads` threads whose index in the group is `idx`. Rows
+// >= valid_rows and columns >= valid_cols are not written. `vec` as in
+// load_tile; the vector path uses 16-byte stores.
+template <int kCopyThreads, int kRowsPerCopy, class T, int ROWS, int COLS>
+__device__ __forceinline__ void store_tile_rows(const SmemTile<T, ROWS, COLS>& tile, int row0, T* dst,
+                                                int64_t row_stride, int valid_rows, int valid_cols, bool vec,
+                                                int idx) {
+  using Tile = SmemTile<T, ROWS, COLS>;
+  constexpr int kChunks = kRowsPerCopy * Tile::kChunksPerRow;
+  static_assert(kChunks % kCopyThreads == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int i = 0; i < kChunks / kCopyThreads; ++i) {
+    const int chunk_id = idx + i * kCopyThreads;
+    const int row = chunk_id / Tile::kChunksPerRow;
+    const int chunk = chunk_id % Tile::kChunksPerRow;
+    const int col = chunk * Tile::kChunkElems;
+    if (row >= valid_rows || col >= valid_cols) continue;
+    const char* s = tile.ptr + Tile::chunk_offset(row0 + row, chunk);
+    T* g = dst + static_cast<int64_t>(row) * row_stride + col;
+    if (vec && col + Tile::kChunkElems <= valid_cols) {
+      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(s);
+    } else {
+      const int n = valid_cols - col < Tile::kChunkElems ? valid_cols - col : Tile::kChunkElems;
+      for (int e = 0; e < n; ++e) reinterpret_cast<Bits<T>*>(g)[e] = reinterpret_cast<const Bits<T>*>(s)[e];
+    }
+  }
+}
+
+}  // namespace jaxflash::gpu

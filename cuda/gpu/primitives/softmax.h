@@ -1,0 +1,98 @@
+// Online softmax over the score fragments (FlashAttention-2 style): running
+// row max and row sum in fp32, exp2 with log2(e) already folded into the scale,
+// and a single normalisation of O after the last key tile.
+#pragma once
+
+#include <cmath>
+
+#include "ptx.h"
+
+namespace jaxflash::gpu {
+
+// Per-lane state of the 2 MF rows it holds (rows g and g + 8 of each m16
+// fragment; see mma.h).
+template <int MF>
+struct SoftmaxState {
+  float max[MF][2];  // running max of the scores, in score units; -inf until a visible key
+  float sum[MF][2];  // this lane's columns only: the quad is summed once, at the end
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) max[mf][h] = -INFINITY, sum[mf][h] = 0.f;
+  }
+};
+
+// A row of a C fragment is spread over the 4 lanes of a quad.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Base-2 offset to subtract from scaled scores of a row whose max is `m`. A row
+// with no visible key so far has m = -inf; subtracting 0 instead keeps every
+// exp2 at exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
+__device__ __forceinline__ float exp_offset(float m, float exp_scale) { return m == -INFINITY ? 0.f : m * exp_scale; }
+
+// Folds one tile of scores into the state: s becomes P = exp2(s * exp_scale -
+// max), and O and the sums are rescaled to the new max. exp_scale > 0 (the
+// launcher guarantees it), so the max of s is the max of the scaled scores.
+template <int MF, int NF, int DF>
+__device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)[MF][DF][4], SoftmaxState<MF>& st,
+                                               float exp_scale) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = st.max[mf][h];
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) m = fmaxf(m, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
+      m = quad_max(m);
+      const float offset = exp_offset(m, exp_scale);
+      // Old max -inf (nothing seen yet): exp2(-inf) = 0, and O and sum are 0 anyway.
+      const float alpha = fast_exp2(st.max[mf][h] * exp_scale - offset);
+      st.max[mf][h] = m;
+      float sum = 0.f;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[mf][nf][2 * h + c];
+          x = fast_exp2(fmaf(x, exp_scale, -offset));  // one FFMA + one MUFU per score
+          sum += x;
+        }
+      }
+      st.sum[mf][h] = st.sum[mf][h] * alpha + sum;
+#pragma unroll
+      for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= alpha, o[mf][df][2 * h + 1] *= alpha;
+    }
+  }
+}
+
+// After the last tile: O /= sum, and lse (natural log) per row. Rows that saw
+// no visible key (sum == 0) or are not `live` (query padding) get O = 0 and
+// lse = -inf.
+template <int MF, int DF>
+__device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const SoftmaxState<MF>& st,
+                                                 float exp_scale, const bool (&live)[MF][2], float (&lse)[MF][2]) {
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(st.sum[mf][h]);
+      const bool any = live[mf][h] && sum > 0.f;
+      const float inv = any ? 1.f / sum : 0.f;
+      lse[mf][h] = any ? exp_offset(st.max[mf][h], exp_scale) * kLn2 + logf(sum) : -INFINITY;
+#pragma unroll
+      for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= inv, o[mf][df][2 * h + 1] *= inv;
+    }
+  }
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,633 @@
+// Standalone check of jaxflash::gpu::launch_backward against a naive double
+// precision CPU reference, on small odd shapes that hit every feature: tails,
+// causal / window / bottom-right, GQA (zero instance strides on K/V and dK/dV),
+// sequence lengths with empty rows and an instance with no key, broadcast
+// biases with dbias (over batch, over heads + keys, over heads + queries, a
+// scalar), masks with a fully masked row, dlse, unaligned rows, every padded
+// head dim, all three dtypes; then bitwise determinism at a larger size.
+// o and lse come from the reference (fp64, rounded to the kernel's inputs), so
+// the test does not depend on the forward kernel. Like the FFI handler, every
+// case passes delta = rowsum(dO o O) - dlse (from the exact output) and no o.
+//
+// Build (from the repository root):
+//   nvcc -std=c++17 -O3 --use_fast_math -gencode=arch=compute_80,code=sm_80 \
+//        -gencode=arch=compute_90a,code=sm_90a -I. -o /tmp/bwd_selftest \
+//        cuda/gpu/tests/bwd_selftest.cu cuda/gpu/backward.cu cuda/gpu/instantiations/bwd_*.cu
+// Run: /tmp/bwd_selftest          correctness + determinism, exit status 0 iff all pass
+//      /tmp/bwd_selftest bench    also time the bf16 backward at FlashAttention's benchmark shapes
+//      /tmp/bwd_selftest quick    correctness only (for compute-sanitizer)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../backward.h"
+
+using jaxflash::ArrayView;
+using jaxflash::AttentionParams;
+using jaxflash::DType;
+
+#define CHECK_CUDA(x)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+namespace {
+
+constexpr int64_t kUnb = jaxflash::kUnbounded;
+
+// Bias shapes (all broadcast to B, N, T, S); dbias has the bias's shape.
+enum class Bias {
+  kNone,
+  kHeads,      // (N, T, S) in dtype: broadcast over batch
+  kFullF32,    // (B, N, T, S) f32
+  kRowsF32,    // (B, T) f32: col stride 0, broadcast over heads and keys
+  kKeysF32,    // (B, S) f32: row stride 0, broadcast over heads and queries
+  kScalarF32,  // (1,) f32: every stride 0
+};
+enum class Mask { kNone, kRandom, kKeyPadding };  // (B,T,S) + a fully masked row | (S)
+enum class Layout { kBTNH, kBNTH };                // q, o, d_o, dq; k, v, dk, dv are BSKH
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int B, N, K, T, S, H;
+  int64_t window_left = kUnb, window_right = kUnb;
+  bool bottom_right = false;
+  Bias bias = Bias::kNone;
+  bool dbias = false;
+  Mask mask = Mask::kNone;
+  bool lens = false;
+  bool dlse = false;
+  Layout layout = Layout::kBTNH;
+  float scale = 0.f;  // 0: 1 / sqrt(H)
+};
+
+int elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Host storage of dtype-t values as raw bits.
+struct HostArray {
+  DType t;
+  std::vector<uint8_t> bits;
+  HostArray(DType t_, size_t n, uint8_t fill = 0) : t(t_), bits(n * elem_bytes(t_), fill) {}
+  size_t size() const { return bits.size() / elem_bytes(t); }
+  // Stores x rounded to t; returns the rounded value.
+  double set(size_t i, double xd) {
+    const float x = static_cast<float>(xd);
+    if (t == DType::kF32) {
+      std::memcpy(&bits[4 * i], &x, 4);
+      return x;
+    } else if (t == DType::kF16) {
+      const __half h = __float2half_rn(x);
+      std::memcpy(&bits[2 * i], &h, 2);
+      return __half2float(h);
+    } else {
+      const __nv_bfloat16 h = __float2bfloat16_rn(x);
+      std::memcpy(&bits[2 * i], &h, 2);
+      return __bfloat162float(h);
+    }
+  }
+  double get(size_t i) const {
+    float x;
+    if (t == DType::kF32) {
+      std::memcpy(&x, &bits[4 * i], 4);
+    } else if (t == DType::kF16) {
+      __half h;
+      std::memcpy(&h, &bits[2 * i], 2);
+      x = __half2float(h);
+    } else {
+      __nv_bfloat16 h;
+      std::memcpy(&h, &bits[2 * i], 2);
+      x = __bfloat162float(h);
+    }
+    return x;
+  }
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { CHECK_CUDA(cudaMalloc(&ptr, n ? n : 1)); }
+  DeviceBuffer(const void* host, size_t n) : DeviceBuffer(n) {
+    CHECK_CUDA(cudaMemcpy(ptr, host, n, cudaMemcpyHostToDevice));
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void download(void* host) const { CHECK_CUDA(cudaMemcpy(host, ptr, bytes, cudaMemcpyDeviceToHost)); }
+};
+
+void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int64_t row, int64_t col) {
+  v.data = data;
+  v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
+  v.row_stride = row, v.col_stride = col;
+}
+
+// Everything one case needs on both sides.
+struct Problem {
+  Case c;
+  int G, Hp;  // group size; per-head pitch of q-like and k-like arrays (H + 8 pad columns)
+  AttentionParams p;
+  HostArray q, k, v, o, d_o;
+  std::vector<double> qv, kv, vv, ov, dov;  // the rounded inputs, in double
+  std::vector<double> o_exact;               // the output before rounding
+  std::vector<float> lse, dlse, delta_in;    // delta_in: rowsum(dO o O_exact) - dlse, BNT
+  HostArray bias;
+  std::vector<double> biasv;
+  std::vector<uint8_t> mask;
+  std::vector<int32_t> q_lens, kv_lens;
+  size_t bias_n = 0, dbias_n = 0;
+  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens;
+  std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_ws;
+
+  size_t q_index(int b, int n, int t, int h) const {
+    const int N = c.N, T = c.T;
+    return c.layout == Layout::kBTNH ? ((size_t(b) * T + t) * N + n) * Hp + h : ((size_t(b) * N + n) * T + t) * Hp + h;
+  }
+  size_t kv_index(int b, int kh, int s, int h) const { return ((size_t(b) * c.S + s) * c.K + kh) * Hp + h; }
+  size_t row_index(int b, int n, int t) const { return (size_t(b) * c.N + n) * c.T + t; }  // lse, dlse: BNT
+  // Bias / dbias element of (b, n, t, s) in its own storage.
+  size_t bias_index(int b, int n, int t, int s) const {
+    switch (c.bias) {
+      case Bias::kHeads: return (size_t(n) * c.T + t) * c.S + s;
+      case Bias::kFullF32: return ((size_t(b) * c.N + n) * c.T + t) * c.S + s;
+      case Bias::kRowsF32: return size_t(b) * c.T + t;
+      case Bias::kKeysF32: return size_t(b) * c.S + s;
+      default: return 0;
+    }
+  }
+  jaxflash::InstanceBounds bounds(int b) const {
+    jaxflash::InstanceBounds hb{c.T, c.S, 0};
+    if (c.lens) hb.q_len = q_lens[b], hb.kv_len = kv_lens[b];
+    if (c.bottom_right) hb.offset = hb.kv_len - hb.q_len;
+    return hb;
+  }
+  bool mask_at(int b, int t, int s) const {
+    if (c.mask == Mask::kRandom) return mask[(size_t(b) * c.T + t) * c.S + s] != 0;
+    if (c.mask == Mask::kKeyPadding) return mask[s] != 0;
+    return true;
+  }
+
+  explicit Problem(const Case& c_, std::mt19937& rng)
+      : c(c_),
+        G(c_.N / c_.K),
+        Hp(c_.H + 8),
+        q(c_.dtype, size_t(c_.B) * c_.T * c_.N * (c_.H + 8)),
+        k(c_.dtype, size_t(c_.B) * c_.S * c_.K * (c_.H + 8)),
+        v(c_.dtype, size_t(c_.B) * c_.S * c_.K * (c_.H + 8)),
+        o(c_.dtype, size_t(c_.B) * c_.T * c_.N * (c_.H + 8)),
+        d_o(c_.dtype, size_t(c_.B) * c_.T * c_.N * (c_.H + 8)),
+        bias(c_.bias == Bias::kHeads ? c_.dtype : DType::kF32, 1) {
+    const int B = c.B, N = c.N, K = c.K, T = c.T, S = c.S, H = c.H;
+    std::uniform_real_distribution<double> uni(-1.0, 1.0);
+    auto fill = [&](HostArray& a, std::vector<double>& val, double amp) {
+      val.assign(a.size(), 0.0);
+      for (size_t i = 0; i < a.size(); ++i) val[i] = a.set(i, amp * uni(rng));
+    };
+    fill(q, qv, 2.0);
+    fill(k, kv, 2.0);
+    fill(v, vv, 1.0);
+    fill(d_o, dov, 1.0);
+
+    p = AttentionParams{};
+    p.dtype = c.dtype;
+    p.num_inst_dims = 3;
+    p.inst_size[0] = B, p.inst_size[1] = K, p.inst_size[2] = G;  // head n = kh * G + g
+    p.seqlen_q = T, p.seqlen_k = S, p.head_dim = H;
+    p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(H));
+    p.window_left = c.window_left, p.window_right = c.window_right;
+    if (c.bottom_right) p.flags |= jaxflash::kBottomRight;
+
+    // Sequence lengths: batch 0 gets kv_len 0 (no key at all) when B > 2, batch 1 a
+    // q_len short of T.
+    q_lens.assign(B, T), kv_lens.assign(B, S);
+    if (c.lens) {
+      for (int b = 0; b < B; ++b) {
+        q_lens[b] = std::uniform_int_distribution<int>(1, T)(rng);
+        kv_lens[b] = std::uniform_int_distribution<int>(1, S)(rng);
+      }
+      if (B > 2) kv_lens[0] = 0;
+      if (B > 1) q_lens[1] = std::max(0, T - 7);
+    }
+    if (c.mask == Mask::kRandom) {
+      std::bernoulli_distribution keep(0.8);
+      mask.resize(size_t(B) * T * S);
+      for (auto& m : mask) m = keep(rng);
+      for (int s = 0; s < S; ++s) mask[size_t(T / 2) * S + s] = 0;  // batch 0, row T/2: nothing visible
+    } else if (c.mask == Mask::kKeyPadding) {
+      std::bernoulli_distribution keep(0.8);
+      mask.resize(S);
+      for (auto& m : mask) m = keep(rng);
+    }
+    switch (c.bias) {
+      case Bias::kHeads: bias_n = size_t(N) * T * S; break;
+      case Bias::kFullF32: bias_n = size_t(B) * N * T * S; break;
+      case Bias::kRowsF32: bias_n = size_t(B) * T; break;
+      case Bias::kKeysF32: bias_n = size_t(B) * S; break;
+      case Bias::kScalarF32: bias_n = 1; break;
+      default: bias_n = 0;
+    }
+    if (bias_n) {
+      bias = HostArray(c.bias == Bias::kHeads ? c.dtype : DType::kF32, bias_n);
+      fill(bias, biasv, 2.0);
+    }
+    dbias_n = c.dbias ? bias_n : 0;
+
+    // Forward reference: o (rounded to dtype, stored with the padding sentinel
+    // 0 in pad columns) and lse.
+    lse.assign(size_t(B) * N * T, 0.f);
+    dlse.assign(size_t(B) * N * T, 0.f);
+    std::uniform_real_distribution<float> unif(-1.f, 1.f);
+    if (c.dlse)
+      for (auto& x : dlse) x = unif(rng);
+    ov.assign(o.size(), 0.0);
+    o_exact.assign(o.size(), 0.0);
+    delta_in.assign(size_t(B) * N * T, 0.f);
+    std::vector<double> prob(S);
+    for (int b = 0; b < B; ++b)
+      for (int n = 0; n < N; ++n) {
+        const int kh = n / G;
+        for (int t = 0; t < T; ++t) {
+          double lse_r;
+          probabilities(b, n, t, prob, lse_r);
+          lse[row_index(b, n, t)] = static_cast<float>(lse_r);
+          for (int h = 0; h < H; ++h) {
+            double acc = 0;
+            for (int s = 0; s < S; ++s)
+              if (prob[s] != 0) acc += prob[s] * vv[kv_index(b, kh, s, h)];
+            ov[q_index(b, n, t, h)] = o.set(q_index(b, n, t, h), acc);
+            o_exact[q_index(b, n, t, h)] = acc;
+          }
+          double delta = -dlse[row_index(b, n, t)];
+          for (int h = 0; h < H; ++h) delta += dov[q_index(b, n, t, h)] * o_exact[q_index(b, n, t, h)];
+          delta_in[row_index(b, n, t)] = static_cast<float>(delta);
+        }
+      }
+  }
+
+  // Row t of instance (b, n): P (0 where invisible) and lse (-inf if nothing is visible).
+  void probabilities(int b, int n, int t, std::vector<double>& prob, double& lse_r) const {
+    const int S = c.S, H = c.H, kh = n / G;
+    const jaxflash::InstanceBounds hb = bounds(b);
+    std::vector<double> logit(S, -INFINITY);
+    double mx = -INFINITY;
+    for (int s = 0; s < S; ++s) {
+      if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s)) continue;
+      double dot = 0;
+      for (int h = 0; h < H; ++h) dot += qv[q_index(b, n, t, h)] * kv[kv_index(b, kh, s, h)];
+      logit[s] = p.scale * dot + (bias_n ? biasv[bias_index(b, n, t, s)] : 0.0);
+      mx = std::max(mx, logit[s]);
+    }
+    double sum = 0;
+    for (int s = 0; s < S; ++s) sum += prob[s] = mx == -INFINITY ? 0.0 : std::exp(logit[s] - mx);
+    lse_r = sum > 0 ? mx + std::log(sum) : -INFINITY;
+    for (int s = 0; s < S; ++s) prob[s] = sum > 0 ? prob[s] / sum : 0.0;
+  }
+
+  // Uploads the inputs and points p at them; outputs are pre-filled with 0xFF
+  // (NaN in every dtype) so unwritten elements show.
+  void upload() {
+    const int B = c.B, N = c.N, K = c.K, T = c.T, S = c.S;
+    d_q = std::make_unique<DeviceBuffer>(q.bits.data(), q.bits.size());
+    d_k = std::make_unique<DeviceBuffer>(k.bits.data(), k.bits.size());
+    d_v = std::make_unique<DeviceBuffer>(v.bits.data(), v.bits.size());
+    d_do = std::make_unique<DeviceBuffer>(d_o.bits.data(), d_o.bits.size());
+    d_lse = std::make_unique<DeviceBuffer>(lse.data(), lse.size() * 4);
+    auto q_like = [&](ArrayView& view, void* data) {
+      if (c.layout == Layout::kBTNH)
+        set_view(view, data, int64_t(T) * N * Hp, int64_t(G) * Hp, Hp, int64_t(N) * Hp, 1);
+      else
+        set_view(view, data, int64_t(N) * T * Hp, int64_t(G) * T * Hp, int64_t(T) * Hp, Hp, 1);
+    };
+    auto k_like = [&](ArrayView& view, void* data) {  // g stride 0: GQA
+      set_view(view, data, int64_t(S) * K * Hp, Hp, 0, int64_t(K) * Hp, 1);
+    };
+    q_like(p.q, d_q->ptr), q_like(p.d_o, d_do->ptr);
+    k_like(p.k, d_k->ptr), k_like(p.v, d_v->ptr);
+    set_view(p.lse, d_lse->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
+    d_delta = std::make_unique<DeviceBuffer>(delta_in.data(), delta_in.size() * 4);
+    set_view(p.delta, d_delta->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
+    auto bias_view = [&](ArrayView& view, void* data) {
+      switch (c.bias) {
+        case Bias::kHeads: set_view(view, data, 0, int64_t(G) * T * S, int64_t(T) * S, S, 1); break;
+        case Bias::kFullF32: set_view(view, data, int64_t(N) * T * S, int64_t(G) * T * S, int64_t(T) * S, S, 1); break;
+        case Bias::kRowsF32: set_view(view, data, T, 0, 0, 1, 0); break;
+        case Bias::kKeysF32: set_view(view, data, S, 0, 0, 0, 1); break;
+        case Bias::kScalarF32: set_view(view, data, 0, 0, 0, 0, 0); break;
+        default: break;
+      }
+    };
+    if (bias_n) {
+      p.flags |= jaxflash::kHasBias;
+      p.bias_dtype = bias.t;
+      d_bias = std::make_unique<DeviceBuffer>(bias.bits.data(), bias.bits.size());
+      bias_view(p.bias, d_bias->ptr);
+    }
+    if (c.mask != Mask::kNone) {
+      p.flags |= jaxflash::kHasMask;
+      d_mask = std::make_unique<DeviceBuffer>(mask.data(), mask.size());
+      if (c.mask == Mask::kRandom) set_view(p.mask, d_mask->ptr, int64_t(T) * S, 0, 0, S, 1);
+      else set_view(p.mask, d_mask->ptr, 0, 0, 0, 0, 1);
+    }
+    if (c.lens) {
+      p.flags |= jaxflash::kHasQLens | jaxflash::kHasKvLens;
+      std::vector<int32_t> both(q_lens);
+      both.insert(both.end(), kv_lens.begin(), kv_lens.end());
+      d_lens = std::make_unique<DeviceBuffer>(both.data(), both.size() * 4);
+      set_view(p.q_lens, d_lens->ptr, 1, 0, 0, 0, 0);
+      set_view(p.kv_lens, static_cast<int32_t*>(d_lens->ptr) + B, 1, 0, 0, 0, 0);
+    }
+    d_dq = std::make_unique<DeviceBuffer>(q.bits.size());
+    d_dk = std::make_unique<DeviceBuffer>(k.bits.size());
+    d_dv = std::make_unique<DeviceBuffer>(v.bits.size());
+    q_like(p.dq, d_dq->ptr);
+    k_like(p.dk, d_dk->ptr), k_like(p.dv, d_dv->ptr);
+    if (dbias_n) {
+      p.flags |= jaxflash::kHasDbias;
+      d_dbias = std::make_unique<DeviceBuffer>(dbias_n * elem_bytes(bias.t));
+      bias_view(p.dbias, d_dbias->ptr);
+    }
+    const int64_t ws = jaxflash::gpu::backward_workspace_bytes(p.num_instances(), T, S, c.H, c.dtype);
+    d_ws = std::make_unique<DeviceBuffer>(size_t(ws) + 8);
+  }
+
+  // One backward call on garbage-filled outputs and workspace (the workspace
+  // starts 8 bytes into its allocation: any alignment must work).
+  void run() {
+    for (DeviceBuffer* d : {d_dq.get(), d_dk.get(), d_dv.get(), d_dbias.get(), d_ws.get()})
+      if (d) CHECK_CUDA(cudaMemset(d->ptr, 0xFF, d->bytes));
+    CHECK_CUDA(jaxflash::gpu::launch_backward(p, static_cast<char*>(d_ws->ptr) + 8, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+};
+
+struct ErrStat {
+  double max_err = 0, max_ref = 0;
+  int64_t bad = 0;  // NaN / inf, nonzero where exactly zero is due, or touched padding
+  void add(double got, double ref) {
+    if (!std::isfinite(got)) {
+      ++bad;
+      return;
+    }
+    max_err = std::max(max_err, std::fabs(got - ref));
+    max_ref = std::max(max_ref, std::fabs(ref));
+  }
+  bool ok(double tol) const { return bad == 0 && max_err <= tol * std::max(max_ref, 1e-3) + 1e-5; }
+};
+
+bool run_case(const Case& c, std::mt19937& rng) {
+  Problem pr(c, rng);
+  pr.upload();
+  pr.run();
+  const int B = c.B, N = c.N, K = c.K, T = c.T, S = c.S, H = c.H, G = pr.G;
+  HostArray dq(c.dtype, pr.q.size()), dk(c.dtype, pr.k.size()), dv(c.dtype, pr.v.size());
+  pr.d_dq->download(dq.bits.data());
+  pr.d_dk->download(dk.bits.data());
+  pr.d_dv->download(dv.bits.data());
+  HostArray dbias(pr.bias.t, std::max<size_t>(pr.dbias_n, 1));
+  if (pr.dbias_n) pr.d_dbias->download(dbias.bits.data());
+
+  // Reference gradients in double.
+  std::vector<double> rdq(pr.q.size(), 0.0), rdk(pr.k.size(), 0.0), rdv(pr.v.size(), 0.0);
+  std::vector<double> rdbias(pr.dbias_n, 0.0);
+  std::vector<double> prob(S), ds(S);
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n) {
+      const int kh = n / G;
+      for (int t = 0; t < T; ++t) {
+        double lse_r;
+        pr.probabilities(b, n, t, prob, lse_r);
+        const double delta = pr.delta_in[pr.row_index(b, n, t)];
+        for (int s = 0; s < S; ++s) {
+          ds[s] = 0;
+          if (prob[s] == 0) continue;
+          double dp = 0;
+          for (int h = 0; h < H; ++h) dp += pr.dov[pr.q_index(b, n, t, h)] * pr.vv[pr.kv_index(b, kh, s, h)];
+          ds[s] = prob[s] * (dp - delta);
+          for (int h = 0; h < H; ++h) {
+            rdq[pr.q_index(b, n, t, h)] += pr.p.scale * ds[s] * pr.kv[pr.kv_index(b, kh, s, h)];
+            rdk[pr.kv_index(b, kh, s, h)] += pr.p.scale * ds[s] * pr.qv[pr.q_index(b, n, t, h)];
+            rdv[pr.kv_index(b, kh, s, h)] += prob[s] * pr.dov[pr.q_index(b, n, t, h)];
+          }
+          if (pr.dbias_n) rdbias[pr.bias_index(b, n, t, s)] += ds[s];
+        }
+      }
+    }
+
+  // Compare. Padding columns must still hold the 0xFF sentinel; rows past
+  // q_len (dq) and keys past kv_len (dk, dv) must be exactly 0.
+  ErrStat e_dq, e_dk, e_dv, e_db;
+  int64_t bad_pad = 0, bad_zero = 0;
+  auto sentinel = [&](const HostArray& a, size_t i) {
+    for (int byte = 0; byte < elem_bytes(a.t); ++byte)
+      if (a.bits[i * elem_bytes(a.t) + byte] != 0xFF) return false;
+    return true;
+  };
+  for (int b = 0; b < B; ++b) {
+    const jaxflash::InstanceBounds hb = pr.bounds(b);
+    for (int n = 0; n < N; ++n)
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < H; ++h) {
+          const size_t i = pr.q_index(b, n, t, h);
+          e_dq.add(dq.get(i), rdq[i]);
+          if (t >= hb.q_len && dq.get(i) != 0) ++bad_zero;
+        }
+        for (int h = H; h < pr.Hp; ++h) bad_pad += !sentinel(dq, pr.q_index(b, n, t, h));
+      }
+    for (int kh = 0; kh < K; ++kh)
+      for (int s = 0; s < S; ++s) {
+        for (int h = 0; h < H; ++h) {
+          const size_t i = pr.kv_index(b, kh, s, h);
+          e_dk.add(dk.get(i), rdk[i]);
+          e_dv.add(dv.get(i), rdv[i]);
+          if (s >= hb.kv_len && (dk.get(i) != 0 || dv.get(i) != 0)) ++bad_zero;
+        }
+        for (int h = H; h < pr.Hp; ++h)
+          bad_pad += !sentinel(dk, pr.kv_index(b, kh, s, h)) + !sentinel(dv, pr.kv_index(b, kh, s, h));
+      }
+  }
+  for (size_t i = 0; i < pr.dbias_n; ++i) e_db.add(dbias.get(i), rdbias[i]);
+
+  const double tol = c.dtype == DType::kBF16 ? 3e-2 : 1e-2;
+  const bool ok = e_dq.ok(tol) && e_dk.ok(tol) && e_dv.ok(tol) && (pr.dbias_n == 0 || e_db.ok(tol)) &&
+                  bad_pad == 0 && bad_zero == 0;
+  std::printf("%-4s %-58s rel err dq %.1e dk %.1e dv %.1e", ok ? "PASS" : "FAIL", c.name.c_str(),
+              e_dq.max_err / std::max(e_dq.max_ref, 1e-3), e_dk.max_err / std::max(e_dk.max_ref, 1e-3),
+              e_dv.max_err / std::max(e_dv.max_ref, 1e-3));
+  if (pr.dbias_n) std::printf(" dbias %.1e", e_db.max_err / std::max(e_db.max_ref, 1e-3));
+  std::printf(" (tol %.0e)", tol);
+  const int64_t bad = e_dq.bad + e_dk.bad + e_dv.bad + e_db.bad;
+  if (bad || bad_pad || bad_zero)
+    std::printf("  non-finite %lld, pad writes %lld, nonzero-where-zero %lld", (long long)bad, (long long)bad_pad,
+                (long long)bad_zero);
+  std::printf("\n");
+  return ok;
+}
+
+// Runs a case `repeats` times and compares dq, dk, dv, dbias bit for bit.
+bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
+  Problem pr(c, rng);
+  pr.upload();
+  std::vector<std::vector<uint8_t>> first;
+  bool same = true;
+  for (int rep = 0; rep < repeats && same; ++rep) {
+    pr.run();
+    std::vector<std::vector<uint8_t>> outs;
+    for (DeviceBuffer* d : {pr.d_dq.get(), pr.d_dk.get(), pr.d_dv.get(), pr.d_dbias.get()}) {
+      if (!d) continue;
+      outs.emplace_back(d->bytes);
+      d->download(outs.back().data());
+    }
+    if (rep == 0) first = std::move(outs);
+    else
+      for (size_t i = 0; i < outs.size(); ++i) same = same && outs[i] == first[i];
+  }
+  std::printf("%-4s determinism x%d: %s\n", same ? "PASS" : "FAIL", repeats, c.name.c_str());
+  return same;
+}
+
+void bench() {
+  std::printf("\nbf16 backward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
+  for (int H : {64, 128})
+    for (bool causal : {false, true})
+      for (int L : {1024, 4096, 16384}) {
+        const int B = 16384 / L, N = 2048 / H;
+        const size_t n = size_t(B) * L * N * H;
+        DeviceBuffer q(2 * n), k(2 * n), v(2 * n), d_o(2 * n), dq(2 * n), dk(2 * n), dv(2 * n);
+        DeviceBuffer lse(4 * size_t(B) * N * L), delta(4 * size_t(B) * N * L);
+        CHECK_CUDA(cudaMemset(delta.ptr, 0, 4 * size_t(B) * N * L));
+        std::vector<__nv_bfloat16> host(n);
+        std::mt19937 rng(1);
+        std::uniform_real_distribution<float> uni(-1.f, 1.f);
+        for (auto& x : host) x = __float2bfloat16_rn(uni(rng));
+        for (void* dst : {q.ptr, k.ptr, v.ptr, d_o.ptr})
+          CHECK_CUDA(cudaMemcpy(dst, host.data(), 2 * n, cudaMemcpyHostToDevice));
+        std::vector<float> lse_host(size_t(B) * N * L, std::log(float(L)));
+        CHECK_CUDA(cudaMemcpy(lse.ptr, lse_host.data(), lse_host.size() * 4, cudaMemcpyHostToDevice));
+        AttentionParams p;
+        p.dtype = DType::kBF16;
+        p.num_inst_dims = 2;
+        p.inst_size[0] = B, p.inst_size[1] = N;
+        p.seqlen_q = p.seqlen_k = L, p.head_dim = H;
+        p.scale = 1.f / std::sqrt(float(H));
+        if (causal) p.window_right = 0;
+        for (ArrayView* view : {&p.q, &p.k, &p.v, &p.d_o, &p.dq, &p.dk, &p.dv}) {
+          view->inst_stride[0] = int64_t(L) * N * H, view->inst_stride[1] = H;
+          view->row_stride = int64_t(N) * H, view->col_stride = 1;
+        }
+        p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.d_o.data = d_o.ptr;
+        p.dq.data = dq.ptr, p.dk.data = dk.ptr, p.dv.data = dv.ptr;
+        set_view(p.lse, lse.ptr, int64_t(N) * L, L, 0, 1, 0);
+        set_view(p.delta, delta.ptr, int64_t(N) * L, L, 0, 1, 0);
+        DeviceBuffer ws(jaxflash::gpu::backward_workspace_bytes(p.num_instances(), L, L, H, p.dtype));
+        cudaEvent_t start, stop;
+        CHECK_CUDA(cudaEventCreate(&start));
+        CHECK_CUDA(cudaEventCreate(&stop));
+        for (int i = 0; i < 3; ++i) CHECK_CUDA(jaxflash::gpu::launch_backward(p, ws.ptr, nullptr));
+        const int iters = 10;
+        CHECK_CUDA(cudaEventRecord(start));
+        for (int i = 0; i < iters; ++i) CHECK_CUDA(jaxflash::gpu::launch_backward(p, ws.ptr, nullptr));
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        ms /= iters;
+        const double flops = 10.0 * B * N * double(L) * L * H / (causal ? 2 : 1);  // 2.5x the forward
+        std::printf("  H=%3d %-6s N=%5d  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L, ms,
+                    flops / ms / 1e9);
+        CHECK_CUDA(cudaEventDestroy(start));
+        CHECK_CUDA(cudaEventDestroy(stop));
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const DType f16 = DType::kF16, bf16 = DType::kBF16, f32 = DType::kF32;
+  // name, dtype, B, N, K, T, S, H, window_left, window_right, bottom_right, bias, dbias, mask, lens, dlse, layout
+  std::vector<Case> cases = {
+      {"bf16 causal T113 S203 H64", bf16, 2, 3, 3, 113, 203, 64, kUnb, 0},
+      {"f16 causal T113 S203 H64", f16, 2, 3, 3, 113, 203, 64, kUnb, 0},
+      {"f32 causal T113 S203 H64", f32, 2, 3, 3, 113, 203, 64, kUnb, 0},
+      {"bf16 T1 S37 H128", bf16, 2, 2, 2, 1, 37, 128},
+      {"f16 T1 S37 H128 causal bottom-right", f16, 2, 2, 2, 1, 37, 128, kUnb, 0, true},
+      {"bf16 GQA N8 K2 T77 S150 H128", bf16, 2, 8, 2, 77, 150, 128},
+      {"f16 MQA N4 K1 causal T130 S130 H64 + dlse", f16, 1, 4, 1, 130, 130, 64, kUnb, 0, false, Bias::kNone, false,
+       Mask::kNone, false, true},
+      {"bf16 window (10, 3) T150 S150 H96", bf16, 1, 2, 2, 150, 150, 96, 10, 3},
+      {"f16 window left 40 only T300 S260 H32", f16, 1, 2, 1, 300, 260, 32, 40, kUnb},
+      {"bf16 lens (kv_len 0, short q) bottom-right causal T90 S120 H64", bf16, 3, 2, 1, 90, 120, 64, kUnb, 0, true,
+       Bias::kNone, false, Mask::kNone, true},
+      {"f16 lens + window (8, 8) T64 S64 H128", f16, 3, 2, 2, 64, 64, 128, 8, 8, false, Bias::kNone, false,
+       Mask::kNone, true},
+      {"bf16 bias (N,T,S) over batch + dbias T70 S90 H64", bf16, 3, 4, 2, 70, 90, 64, kUnb, kUnb, false,
+       Bias::kHeads, true},
+      {"f16 bias f32 (B,N,T,S) + dbias causal T100 S140 H64", f16, 2, 2, 2, 100, 140, 64, kUnb, 0, false,
+       Bias::kFullF32, true},
+      {"bf16 bias f32 (B,T) cols bcast + dbias GQA T70 S90 H64", bf16, 2, 4, 2, 70, 90, 64, kUnb, kUnb, false,
+       Bias::kRowsF32, true},
+      {"f16 bias f32 (B,S) rows bcast + dbias + lens T80 S100 H32", f16, 3, 2, 1, 80, 100, 32, kUnb, kUnb, false,
+       Bias::kKeysF32, true, Mask::kNone, true},
+      {"bf16 bias f32 scalar + dbias T40 S50 H64", bf16, 2, 2, 2, 40, 50, 64, kUnb, 0, false, Bias::kScalarF32, true},
+      {"bf16 mask (B,T,S) + fully masked row T129 S140 H128", bf16, 2, 2, 2, 129, 140, 128, kUnb, kUnb, false,
+       Bias::kNone, false, Mask::kRandom},
+      {"f16 key-padding mask (S) causal + bias dtype + dbias T100 S100 H64", f16, 2, 2, 2, 100, 100, 64, kUnb, 0,
+       false, Bias::kHeads, true, Mask::kKeyPadding},
+      {"bf16 unaligned H59 lens causal T90 S120", bf16, 3, 2, 1, 90, 120, 59, kUnb, 0, true, Bias::kNone, false,
+       Mask::kNone, true},
+      {"f16 BNTH T130 S257 H200 (D256)", f16, 1, 2, 2, 130, 257, 200, kUnb, kUnb, false, Bias::kNone, false,
+       Mask::kNone, false, false, Layout::kBNTH},
+      {"bf16 causal T64 S129 H160 (D192)", bf16, 2, 2, 1, 64, 129, 160, kUnb, 0},
+      {"f16 T300 S200 H96 scale 0.5 + dlse", f16, 1, 2, 2, 300, 200, 96, kUnb, kUnb, false, Bias::kNone, false,
+       Mask::kNone, false, true, Layout::kBTNH, 0.5f},
+      {"f32 T77 S130 H72 causal GQA", f32, 2, 4, 2, 77, 130, 72, kUnb, 0},
+      {"f32 T40 S70 H256", f32, 1, 2, 2, 40, 70, 256},
+      {"f32 T50 S100 H192 lens", f32, 3, 2, 2, 50, 100, 192, kUnb, kUnb, false, Bias::kNone, false, Mask::kNone, true},
+      {"f32 T65 S33 H32 mask + bias f32 + dbias", f32, 2, 2, 2, 65, 33, 32, kUnb, kUnb, false, Bias::kFullF32, true,
+       Mask::kRandom},
+      {"f32 T128 S128 H128 window (3, 0)", f32, 1, 2, 2, 128, 128, 128, 3, 0},
+      {"bf16 T1 S1 H16", bf16, 1, 1, 1, 1, 1, 16},
+      {"bf16 GQA causal lens + dlse T100 S150 H128", bf16, 3, 4, 2, 100, 150, 128, kUnb, 0, false,
+       Bias::kNone, false, Mask::kNone, true, true, Layout::kBTNH, 0.f},
+      {"f16 bias (N,T,S) + dbias + mask T90 S70 H64", f16, 2, 2, 2, 90, 70, 64, kUnb, kUnb, false,
+       Bias::kHeads, true, Mask::kRandom, false, false, Layout::kBTNH, 0.f},
+      {"f32 T60 S80 H96", f32, 1, 2, 1, 60, 80, 96, kUnb, kUnb, false, Bias::kNone, false,
+       Mask::kNone, false, false, Layout::kBTNH, 0.f},
+  };
+  std::mt19937 rng(1234);
+  int passed = 0, failed = 0;
+  for (const Case& c : cases) (run_case(c, rng) ? passed : failed)++;
+
+  bool quick = false, want_bench = false;
+  for (int i = 1; i < argc; ++i) {
+    quick = quick || std::string(argv[i]) == "quick";
+    want_bench = want_bench || std::string(argv[i]) == "bench";
+  }
+  // Determinism: large enough that many CTAs contend for each dQ tile.
+  std::vector<Case> det = {
+      {"bf16 causal GQA N16 K4 T2048 S2048 H128", bf16, 2, 16, 4, 2048, 2048, 128, kUnb, 0},
+      {"f16 T1000 S3000 H64 bias (N,T,S) + dbias", f16, 2, 4, 4, 1000, 3000, 64, kUnb, kUnb, false, Bias::kHeads,
+       true},
+      {"f32 T777 S999 H96 window (100, 50)", f32, 2, 4, 2, 777, 999, 96, 100, 50},
+  };
+  if (quick) det.clear();
+  for (const Case& c : det) (run_determinism(c, 3, rng) ? passed : failed)++;
+
+  std::printf("%d passed, %d failed\n", passed, failed);
+  if (want_bench) bench();
+  return failed == 0 ? 0 : 1;
+}

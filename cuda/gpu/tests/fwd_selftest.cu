@@ -1,0 +1,401 @@
+// Standalone check of jaxflash::gpu::launch_forward against a naive double
+// precision CPU reference, on small odd shapes that hit every feature: tails,
+// causal / window / bottom-right, GQA (zero instance stride), broadcast bias
+// and mask, sequence lengths, unaligned rows, every padded head dim, f32.
+//
+// Build (from the repository root):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o fwd_selftest \
+//        cuda/gpu/tests/fwd_selftest.cu cuda/gpu/forward.cu cuda/gpu/instantiations/fwd_*.cu
+// Run: ./fwd_selftest          correctness cases, exit status 0 iff all pass
+//      ./fwd_selftest bench    also time bf16 forward at FlashAttention's benchmark shapes
+//      ./fwd_selftest WORD     only the cases whose name contains WORD (e.g. under compute-sanitizer)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../forward.h"
+
+using jaxflash::ArrayView;
+using jaxflash::AttentionParams;
+using jaxflash::DType;
+
+#define CHECK_CUDA(x)                                                                               \
+  do {                                                                                              \
+    cudaError_t e_ = (x);                                                                           \
+    if (e_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
+      std::exit(2);                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+namespace {
+
+constexpr int64_t kUnb = jaxflash::kUnbounded;
+
+enum class Bias { kNone, kF32QueryKey, kDtypeHeads, kF32RowOnly };  // (T,S) f32 | (N,T,S) dtype | (B,T) f32, col stride 0
+enum class Mask { kNone, kRandom, kKeyPadding };                    // (B,T,S) + a fully masked row | (S) broadcast
+enum class Layout { kBTNH, kBNTH };                                 // q and o; k, v are always BSKH
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int B, N, K, T, S, H;
+  int64_t window_left = kUnb, window_right = kUnb;
+  bool bottom_right = false;
+  Bias bias = Bias::kNone;
+  Mask mask = Mask::kNone;
+  bool lens = false;
+  Layout layout = Layout::kBTNH;
+  float scale = 0.f;     // 0: 1 / sqrt(H)
+  bool out_f32 = false;  // kOutputF32: o in float32 whatever the dtype
+};
+
+int elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Host storage of dtype-t values as raw bits, plus the rounded values in double.
+struct HostArray {
+  DType t;
+  std::vector<uint8_t> bits;
+  std::vector<double> val;
+  HostArray(DType t_, size_t n) : t(t_), bits(n * elem_bytes(t_)), val(n) {}
+  void set(size_t i, float x) {
+    if (t == DType::kF32) {
+      std::memcpy(&bits[4 * i], &x, 4);
+      val[i] = x;
+    } else if (t == DType::kF16) {
+      const __half h = __float2half_rn(x);
+      std::memcpy(&bits[2 * i], &h, 2);
+      val[i] = __half2float(h);
+    } else {
+      const __nv_bfloat16 h = __float2bfloat16_rn(x);
+      std::memcpy(&bits[2 * i], &h, 2);
+      val[i] = __bfloat162float(h);
+    }
+  }
+  double get(size_t i) const {
+    float x;
+    if (t == DType::kF32) {
+      std::memcpy(&x, &bits[4 * i], 4);
+    } else if (t == DType::kF16) {
+      __half h;
+      std::memcpy(&h, &bits[2 * i], 2);
+      x = __half2float(h);
+    } else {
+      __nv_bfloat16 h;
+      std::memcpy(&h, &bits[2 * i], 2);
+      x = __bfloat162float(h);
+    }
+    return x;
+  }
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, bytes ? bytes : 1)); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int64_t row, int64_t col) {
+  v.data = data;
+  v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
+  v.row_stride = row, v.col_stride = col;
+}
+
+bool run_case(const Case& c, std::mt19937& rng) {
+  const int B = c.B, N = c.N, K = c.K, G = N / K, T = c.T, S = c.S, H = c.H;
+  const int Hp = H + 8;  // o's per-head pitch: the 8 extra columns must stay untouched
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+
+  HostArray q(c.dtype, size_t(B) * T * N * H), k(c.dtype, size_t(B) * S * K * H), v(c.dtype, size_t(B) * S * K * H);
+  for (size_t i = 0; i < q.val.size(); ++i) q.set(i, 2.f * uni(rng));
+  for (size_t i = 0; i < k.val.size(); ++i) k.set(i, 2.f * uni(rng));
+  for (size_t i = 0; i < v.val.size(); ++i) v.set(i, uni(rng));
+
+  AttentionParams p;
+  p.dtype = c.dtype;
+  p.num_inst_dims = 3;
+  p.inst_size[0] = B, p.inst_size[1] = K, p.inst_size[2] = G;  // head n = kh * G + g
+  p.seqlen_q = T, p.seqlen_k = S, p.head_dim = H;
+  p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(H));
+  p.window_left = c.window_left, p.window_right = c.window_right;
+  if (c.bottom_right) p.flags |= jaxflash::kBottomRight;
+
+  DeviceBuffer dq(q.bits.size()), dk(k.bits.size()), dv(v.bits.size());
+  CHECK_CUDA(cudaMemcpy(dq.ptr, q.bits.data(), q.bits.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk.ptr, k.bits.data(), k.bits.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv.ptr, v.bits.data(), v.bits.size(), cudaMemcpyHostToDevice));
+  // q: BTNH or BNTH; k, v: BSKH (g stride 0: GQA).
+  if (c.layout == Layout::kBTNH)
+    set_view(p.q, dq.ptr, int64_t(T) * N * H, int64_t(G) * H, H, int64_t(N) * H, 1);
+  else
+    set_view(p.q, dq.ptr, int64_t(N) * T * H, int64_t(G) * T * H, int64_t(T) * H, H, 1);
+  set_view(p.k, dk.ptr, int64_t(S) * K * H, H, 0, int64_t(K) * H, 1);
+  set_view(p.v, dv.ptr, int64_t(S) * K * H, H, 0, int64_t(K) * H, 1);
+  auto q_index = [&](int b, int n, int t, int h) -> size_t {
+    return c.layout == Layout::kBTNH ? ((size_t(b) * T + t) * N + n) * H + h : ((size_t(b) * N + n) * T + t) * H + h;
+  };
+  auto kv_index = [&](int b, int kh, int s, int h) -> size_t { return ((size_t(b) * S + s) * K + kh) * H + h; };
+
+  // Output o with pitch Hp per head (BTNH or BNTH), pre-filled with a NaN sentinel; lse BNT.
+  const DType out_t = c.out_f32 ? DType::kF32 : c.dtype;
+  if (c.out_f32) p.flags |= jaxflash::kOutputF32;
+  const size_t o_elems = size_t(B) * T * N * Hp;
+  std::vector<uint8_t> o_bits(o_elems * elem_bytes(out_t), 0xFF);
+  DeviceBuffer d_o(o_bits.size()), d_lse(size_t(B) * N * T * 4);
+  CHECK_CUDA(cudaMemcpy(d_o.ptr, o_bits.data(), o_bits.size(), cudaMemcpyHostToDevice));
+  if (c.layout == Layout::kBTNH)
+    set_view(p.o, d_o.ptr, int64_t(T) * N * Hp, int64_t(G) * Hp, Hp, int64_t(N) * Hp, 1);
+  else
+    set_view(p.o, d_o.ptr, int64_t(N) * T * Hp, int64_t(G) * T * Hp, int64_t(T) * Hp, Hp, 1);
+  auto o_index = [&](int b, int n, int t, int h) -> size_t {
+    return c.layout == Layout::kBTNH ? ((size_t(b) * T + t) * N + n) * Hp + h
+                                     : ((size_t(b) * N + n) * T + t) * Hp + h;
+  };
+  set_view(p.lse, d_lse.ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
+
+  // Bias.
+  std::vector<double> bias_val;
+  std::unique_ptr<DeviceBuffer> d_bias;
+  std::function<double(int, int, int, int)> bias_at = [](int, int, int, int) { return 0.0; };
+  if (c.bias != Bias::kNone) {
+    p.flags |= jaxflash::kHasBias;
+    const DType bt = c.bias == Bias::kDtypeHeads ? c.dtype : DType::kF32;
+    p.bias_dtype = bt;
+    const size_t n = c.bias == Bias::kF32QueryKey ? size_t(T) * S : c.bias == Bias::kDtypeHeads ? size_t(N) * T * S
+                                                                                                 : size_t(B) * T;
+    HostArray bias(bt, n);
+    for (size_t i = 0; i < n; ++i) bias.set(i, 3.f * uni(rng));
+    d_bias = std::make_unique<DeviceBuffer>(bias.bits.size());
+    CHECK_CUDA(cudaMemcpy(d_bias->ptr, bias.bits.data(), bias.bits.size(), cudaMemcpyHostToDevice));
+    bias_val = bias.val;
+    if (c.bias == Bias::kF32QueryKey) {
+      set_view(p.bias, d_bias->ptr, 0, 0, 0, S, 1);
+      bias_at = [&, S](int, int, int t, int s) { return bias_val[size_t(t) * S + s]; };
+    } else if (c.bias == Bias::kDtypeHeads) {
+      set_view(p.bias, d_bias->ptr, 0, int64_t(G) * T * S, int64_t(T) * S, S, 1);
+      bias_at = [&, T, S](int, int n, int t, int s) { return bias_val[(size_t(n) * T + t) * S + s]; };
+    } else {
+      set_view(p.bias, d_bias->ptr, T, 0, 0, 1, 0);
+      bias_at = [&, T](int b, int, int t, int) { return bias_val[size_t(b) * T + t]; };
+    }
+  }
+
+  // Mask.
+  std::vector<uint8_t> mask;
+  std::unique_ptr<DeviceBuffer> d_mask;
+  std::function<bool(int, int, int)> mask_at = [](int, int, int) { return true; };
+  if (c.mask != Mask::kNone) {
+    p.flags |= jaxflash::kHasMask;
+    std::bernoulli_distribution keep(0.8);
+    if (c.mask == Mask::kRandom) {
+      mask.resize(size_t(B) * T * S);
+      for (auto& m : mask) m = keep(rng);
+      for (int s = 0; s < S; ++s) mask[size_t(T / 2) * S + s] = 0;  // batch 0, row T/2: nothing visible
+      d_mask = std::make_unique<DeviceBuffer>(mask.size());
+      set_view(p.mask, d_mask->ptr, int64_t(T) * S, 0, 0, S, 1);
+      mask_at = [&, T, S](int b, int t, int s) { return mask[(size_t(b) * T + t) * S + s] != 0; };
+    } else {
+      mask.resize(S);
+      for (auto& m : mask) m = keep(rng);
+      d_mask = std::make_unique<DeviceBuffer>(mask.size());
+      set_view(p.mask, d_mask->ptr, 0, 0, 0, 0, 1);
+      mask_at = [&](int, int, int s) { return mask[s] != 0; };
+    }
+    CHECK_CUDA(cudaMemcpy(d_mask->ptr, mask.data(), mask.size(), cudaMemcpyHostToDevice));
+  }
+
+  // Sequence lengths: batch 0 gets kv_len 0 (no visible key at all) when B > 1.
+  std::vector<int32_t> q_lens(B, T), kv_lens(B, S);
+  std::unique_ptr<DeviceBuffer> d_lens;
+  if (c.lens) {
+    p.flags |= jaxflash::kHasQLens | jaxflash::kHasKvLens;
+    for (int b = 0; b < B; ++b) {
+      q_lens[b] = std::uniform_int_distribution<int>(1, T)(rng);
+      kv_lens[b] = std::uniform_int_distribution<int>(1, S)(rng);
+    }
+    if (B > 1) kv_lens[0] = 0;
+    d_lens = std::make_unique<DeviceBuffer>(2 * B * sizeof(int32_t));
+    CHECK_CUDA(cudaMemcpy(d_lens->ptr, q_lens.data(), B * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(static_cast<int32_t*>(d_lens->ptr) + B, kv_lens.data(), B * 4, cudaMemcpyHostToDevice));
+    set_view(p.q_lens, d_lens->ptr, 1, 0, 0, 0, 0);
+    set_view(p.kv_lens, static_cast<int32_t*>(d_lens->ptr) + B, 1, 0, 0, 0, 0);
+  }
+
+  CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpy(o_bits.data(), d_o.ptr, o_bits.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> lse(size_t(B) * N * T);
+  CHECK_CUDA(cudaMemcpy(lse.data(), d_lse.ptr, lse.size() * 4, cudaMemcpyDeviceToHost));
+  HostArray o(out_t, o_elems);
+  o.bits = o_bits;
+
+  // Reference, row by row; the position rule is params.h's own.
+  double err_o = 0, err_lse = 0;
+  int64_t bad_special = 0, bad_pad = 0;
+  std::vector<double> logit(S), prob(S);
+  for (int b = 0; b < B; ++b)
+    for (int kh = 0; kh < K; ++kh)
+      for (int g = 0; g < G; ++g) {
+        const int n = kh * G + g;
+        // instance_bounds() from the host copies of the lengths (p holds device pointers).
+        jaxflash::InstanceBounds hb{T, S, 0};
+        if (c.lens) hb.q_len = q_lens[b], hb.kv_len = kv_lens[b];
+        if (c.bottom_right) hb.offset = hb.kv_len - hb.q_len;
+        for (int t = 0; t < T; ++t) {
+          double mx = -INFINITY;
+          for (int s = 0; s < S; ++s) {
+            logit[s] = -INFINITY;
+            if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s)) continue;
+            double dot = 0;
+            for (int h = 0; h < H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, kh, s, h)];
+            logit[s] = p.scale * dot + bias_at(b, n, t, s);
+            mx = std::max(mx, logit[s]);
+          }
+          double sum = 0;
+          for (int s = 0; s < S; ++s) sum += prob[s] = mx == -INFINITY ? 0.0 : std::exp(logit[s] - mx);
+          const double ref_lse = sum > 0 ? mx + std::log(sum) : -INFINITY;
+          const float got_lse = lse[(size_t(b) * N + n) * T + t];
+          if (std::isinf(ref_lse) || std::isinf(got_lse) || std::isnan(got_lse)) {
+            bad_special += !(std::isinf(got_lse) && got_lse < 0 && std::isinf(ref_lse));
+          } else {
+            err_lse = std::max(err_lse, std::fabs(got_lse - ref_lse));
+          }
+          for (int h = 0; h < H; ++h) {
+            double ref = 0;
+            if (sum > 0)
+              for (int s = 0; s < S; ++s)
+                if (prob[s] != 0) ref += prob[s] / sum * v.val[kv_index(b, kh, s, h)];
+            const double got = o.get(o_index(b, n, t, h));
+            if (std::isnan(got)) ++bad_special;
+            else if (sum == 0 && got != 0) ++bad_special;
+            else err_o = std::max(err_o, std::fabs(got - ref));
+          }
+          for (int h = H; h < Hp; ++h) {  // untouched: still the all-ones sentinel
+            const size_t i = o_index(b, n, t, h) * elem_bytes(out_t);
+            for (int byte = 0; byte < elem_bytes(out_t); ++byte) bad_pad += o.bits[i + byte] != 0xFF;
+          }
+        }
+      }
+
+  const double tol_o = c.dtype == DType::kBF16 ? 2e-2 : c.dtype == DType::kF16 ? 4e-3 : 4e-3;
+  const double tol_lse = 1e-2;
+  const bool ok = err_o <= tol_o && err_lse <= tol_lse && bad_special == 0 && bad_pad == 0;
+  std::printf("%-4s %-52s max|do| %.2e (tol %.0e)  max|dlse| %.2e  bad special %lld  pad writes %lld\n",
+              ok ? "PASS" : "FAIL", c.name.c_str(), err_o, tol_o, err_lse, (long long)bad_special,
+              (long long)bad_pad);
+  return ok;
+}
+
+void bench() {
+  std::printf("\nbf16 forward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
+  for (int H : {64, 128})
+    for (bool causal : {false, true})
+      for (int L : {1024, 4096, 16384}) {
+        const int B = 16384 / L, N = 2048 / H;
+        const size_t n = size_t(B) * L * N * H;
+        DeviceBuffer q(2 * n), k(2 * n), v(2 * n), o(2 * n), lse(4 * size_t(B) * N * L);
+        std::vector<__nv_bfloat16> host(n);
+        std::mt19937 rng(1);
+        std::uniform_real_distribution<float> uni(-1.f, 1.f);
+        for (auto& x : host) x = __float2bfloat16_rn(uni(rng));
+        for (void* dst : {q.ptr, k.ptr, v.ptr}) CHECK_CUDA(cudaMemcpy(dst, host.data(), 2 * n, cudaMemcpyHostToDevice));
+        AttentionParams p;
+        p.dtype = DType::kBF16;
+        p.num_inst_dims = 2;
+        p.inst_size[0] = B, p.inst_size[1] = N;
+        p.seqlen_q = p.seqlen_k = L, p.head_dim = H;
+        p.scale = 1.f / std::sqrt(float(H));
+        if (causal) p.window_right = 0;
+        for (ArrayView* view : {&p.q, &p.k, &p.v, &p.o}) {
+          view->inst_stride[0] = int64_t(L) * N * H, view->inst_stride[1] = H;
+          view->row_stride = int64_t(N) * H, view->col_stride = 1;
+        }
+        p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.o.data = o.ptr;
+        set_view(p.lse, lse.ptr, int64_t(N) * L, L, 0, 1, 0);
+        cudaEvent_t start, stop;
+        CHECK_CUDA(cudaEventCreate(&start));
+        CHECK_CUDA(cudaEventCreate(&stop));
+        for (int i = 0; i < 3; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
+        const int iters = 20;
+        CHECK_CUDA(cudaEventRecord(start));
+        for (int i = 0; i < iters; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        ms /= iters;
+        const double flops = 4.0 * B * N * double(L) * L * H / (causal ? 2 : 1);
+        std::printf("  H=%3d %-6s N=%5d  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L, ms,
+                    flops / ms / 1e9);
+        CHECK_CUDA(cudaEventDestroy(start));
+        CHECK_CUDA(cudaEventDestroy(stop));
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const DType f16 = DType::kF16, bf16 = DType::kBF16, f32 = DType::kF32;
+  std::vector<Case> cases = {
+      {"bf16 causal T113 S203 H64", bf16, 2, 3, 3, 113, 203, 64, kUnb, 0},
+      {"f16 causal T113 S203 H64", f16, 2, 3, 3, 113, 203, 64, kUnb, 0},
+      {"f16 T1 S37 H128", f16, 2, 2, 2, 1, 37, 128},
+      {"bf16 T1 S37 H128 causal bottom-right", bf16, 2, 2, 2, 1, 37, 128, kUnb, 0, true},
+      {"f16 window (17, 5) T150 S150 H96", f16, 1, 2, 2, 150, 150, 96, 17, 5},
+      {"bf16 window left 40 only T300 S260 H32", bf16, 1, 2, 1, 300, 260, 32, 40, kUnb},
+      {"bf16 GQA N8 K2 T77 S300 H128", bf16, 2, 8, 2, 77, 300, 128},
+      {"f16 bias f32 (T,S) bottom-right causal T200 S100 H32", f16, 2, 2, 2, 200, 100, 32, kUnb, 0, true,
+       Bias::kF32QueryKey},
+      {"bf16 bias dtype (N,T,S) T130 S190 H64", bf16, 2, 4, 2, 130, 190, 64, kUnb, kUnb, false, Bias::kDtypeHeads},
+      {"f16 bias f32 (B,T) col stride 0 T70 S90 H80", f16, 3, 2, 2, 70, 90, 80, kUnb, kUnb, false,
+       Bias::kF32RowOnly},
+      {"bf16 mask (B,T,S) + empty row T129 S140 H128", bf16, 2, 2, 2, 129, 140, 128, kUnb, kUnb, false,
+       Bias::kNone, Mask::kRandom},
+      {"f16 key-padding mask (S) causal T100 S100 H64", f16, 2, 2, 2, 100, 100, 64, kUnb, 0, false, Bias::kNone,
+       Mask::kKeyPadding},
+      {"bf16 lens + bottom-right causal T90 S120 H59 (unaligned)", bf16, 3, 2, 1, 90, 120, 59, kUnb, 0, true,
+       Bias::kNone, Mask::kNone, true},
+      {"f16 lens + window (8, 8) T64 S64 H128", f16, 3, 2, 2, 64, 64, 128, 8, 8, false, Bias::kNone, Mask::kNone,
+       true},
+      {"bf16 T130 S257 H200 (D256)", bf16, 1, 2, 2, 130, 257, 200},
+      {"f16 causal T64 S129 H160 (D192)", f16, 2, 2, 1, 64, 129, 160, kUnb, 0},
+      {"bf16 BNTH q/o T256 S512 H128", bf16, 2, 2, 2, 256, 512, 128, kUnb, kUnb, false, Bias::kNone, Mask::kNone,
+       false, Layout::kBNTH},
+      {"bf16 causal T1024 S1024 H128", bf16, 1, 2, 2, 1024, 1024, 128, kUnb, 0},
+      {"f16 T300 S1000 H64 scale 0.5", f16, 1, 2, 2, 300, 1000, 64, kUnb, kUnb, false, Bias::kNone, Mask::kNone,
+       false, Layout::kBTNH, 0.5f},
+      {"f16 T40 S50 H64 negative scale", f16, 1, 1, 1, 40, 50, 64, kUnb, kUnb, false, Bias::kNone, Mask::kNone,
+       false, Layout::kBTNH, -0.3f},
+      {"bf16 causal T113 S203 H64, f32 o", bf16, 2, 3, 3, 113, 203, 64, kUnb, 0, false, Bias::kNone, Mask::kNone,
+       false, Layout::kBTNH, 0.f, true},
+      {"f16 mask T129 S140 H72, f32 o", f16, 2, 2, 2, 129, 140, 72, kUnb, kUnb, false, Bias::kNone, Mask::kRandom,
+       false, Layout::kBTNH, 0.f, true},
+      {"f32 causal T77 S130 H72", f32, 2, 2, 2, 77, 130, 72, kUnb, 0},
+      {"f32 T40 S70 H256", f32, 1, 2, 2, 40, 70, 256},
+      {"f32 T65 S33 H32 mask + bias", f32, 2, 2, 2, 65, 33, 32, kUnb, kUnb, false, Bias::kF32QueryKey,
+       Mask::kRandom},
+      {"f32 T50 S300 H192 lens", f32, 2, 2, 2, 50, 300, 192, kUnb, kUnb, false, Bias::kNone, Mask::kNone, true},
+      {"f32 T128 S128 H128 window (3, 0)", f32, 1, 2, 2, 128, 128, 128, 3, 0},
+  };
+  std::mt19937 rng(1234);
+  int passed = 0, failed = 0;
+  const std::string arg = argc > 1 ? argv[1] : "";
+  const bool bench_too = arg == "bench";
+  for (const Case& c : cases)
+    if (arg.empty() || bench_too || c.name.find(arg) != std::string::npos) (run_case(c, rng) ? passed : failed)++;
+  std::printf("%d passed, %d failed\n", passed, failed);
+  if (bench_too) bench();
+  return failed == 0 ? 0 : 1;
+}

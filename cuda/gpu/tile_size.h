@@ -1,0 +1,45 @@
+// The one table of forward tile sizes: query rows (BLOCK_M) and keys (BLOCK_N)
+// per CTA, by element size, padded head dim, and kernel variant (see
+// kernel_traits.h: the general one also reads a bias / mask and copes with
+// unaligned rows). Same on sm_80 and sm_90: the kernel is mma.sync throughout, and
+// every entry keeps shared memory (BLOCK_M + 2 BLOCK_N) x D x sizeof(T) <= 96 KB,
+// so it also launches on sm_86 / sm_89 (99 KB per block).
+//
+// Why these: 4 warps split BLOCK_M, so BLOCK_M = 128 gives each warp two m16
+// fragments that share every K/V fragment it loads (half the shared-memory
+// traffic per MMA of BLOCK_M = 64, which measured ~20% slower on H100).
+// Registers bound the rest: a lane holds BLOCK_M/64 x (BLOCK_N + D)/2 fp32
+// accumulators (scores + O) beside its fragments and addresses, within 255.
+// Hence 128 x 64 up to D = 128 (128 x 128 for D = 32, whose O is small; at
+// D = 64 it spilled and was no faster) and BLOCK_M = 64 for D = 192 / 256.
+// fp32 tiles are 4 bytes an element, so they shrink to fit the same shared
+// memory. The general variant reads bias and mask from global memory straight
+// into the score registers, and those loads need registers of their own, as
+// does its element-wise fallback copy: it halves BLOCK_M where it is 128.
+//
+//                 D:   32   64   96  128  192  256
+//   f16/bf16      M:  128  128  128  128   64   64
+//                 N:  128   64   64   64   64   64
+//   f32           M:  128  128   64   64   64   64
+//                 N:   64   64   64   64   32   16
+//   general       M:   64 everywhere, N as above
+#pragma once
+
+namespace jaxflash::gpu {
+
+template <int kElemBytes, int D, bool kGeneral>
+struct FwdTileSize {
+  static constexpr bool k16 = kElemBytes == 2;
+  static constexpr int kBlockM = !kGeneral && (D <= 64 || (k16 && D <= 128)) ? 128 : 64;
+  static constexpr int kBlockN = k16 ? (D <= 32 ? 128 : 64) : (D <= 128 ? 64 : (D <= 192 ? 32 : 16));
+  // Schedule, measured on H100 for the fast 16-bit kernels at D = 64 and 128
+  // (the paths that matter most for speed): unrolling the Q K^T loop over the
+  // head dim and giving whole tiles their own copy of the tile step (no mask
+  // branches) are worth 4-7% there, though at D = 128 they spill ~0.5 KB.
+  // Elsewhere (unmeasured, or spilling kilobytes: large D, fp32) one compact step.
+  static constexpr bool kTuned = k16 && !kGeneral && (D == 64 || D == 128);
+  static constexpr bool kUnrollQk = kTuned;
+  static constexpr bool kSplitSteps = kTuned;
+};
+
+}  // namespace jaxflash::gpu
