@@ -29,13 +29,10 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
                         int64_t window_left, int64_t window_right, int64_t flags) {
   AttentionParams p;
-  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p);
+  if (auto e = decode_forward(p, q, k, v, bias, mask, q_lens, kv_lens, *o, *lse, instance_sizes, strides, dims,
+                              scale, window_left, window_right, flags);
       e.failure())
     return e;
-  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
-  const ffi::DataType o_type = p.has(kOutputF32) ? ffi::DataType::F32 : ffi_type(p.dtype);
-  if (auto e = attach(p, kO, p.o, *o, o_type); e.failure()) return e;
-  if (auto e = attach(p, kLse, p.lse, *lse, ffi::DataType::F32); e.failure()) return e;
   return launch_status(gpu::launch_forward(p, stream), "forward");
 }
 
@@ -48,20 +45,10 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
                          int64_t window_left, int64_t window_right, int64_t flags) {
   AttentionParams p;
-  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p);
+  if (auto e = decode_backward(p, q, k, v, bias, mask, q_lens, kv_lens, lse, delta, d_o, *dq, *dk, *dv, *dbias,
+                               instance_sizes, strides, dims, scale, window_left, window_right, flags);
       e.failure())
     return e;
-  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
-  const ffi::DataType t = ffi_type(p.dtype);
-  if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
-  if (auto e = attach(p, kDelta, p.delta, delta, ffi::DataType::F32); e.failure()) return e;
-  if (auto e = attach(p, kDo, p.d_o, d_o, t); e.failure()) return e;
-  if (auto e = attach(p, kDq, p.dq, *dq, t); e.failure()) return e;
-  if (auto e = attach(p, kDk, p.dk, *dk, t); e.failure()) return e;
-  if (auto e = attach(p, kDv, p.dv, *dv, t); e.failure()) return e;
-  if (auto e = attach_optional(p, kHasDbias, kDbias, p.dbias, *dbias, ffi_type(p.bias_dtype)); e.failure())
-    return e;
-  if (auto e = check_gradient_layouts(p); e.failure()) return e;
   const int64_t needed =
       gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim, p.dtype);
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)
@@ -72,51 +59,11 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_forward_cuda, forward_cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // q_lens
-                                  .Arg<ffi::AnyBuffer>()  // kv_lens
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<ffi::Span<const int64_t>>("instance_sizes")
-                                  .Attr<ffi::Span<const int64_t>>("strides")
-                                  .Attr<ffi::Span<const int64_t>>("dims")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("flags"),
+                              bind_forward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxflash_backward_cuda, backward_cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // q_lens
-                                  .Arg<ffi::AnyBuffer>()  // kv_lens
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // delta
-                                  .Arg<ffi::AnyBuffer>()  // d_o
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<ffi::Span<const int64_t>>("instance_sizes")
-                                  .Attr<ffi::Span<const int64_t>>("strides")
-                                  .Attr<ffi::Span<const int64_t>>("dims")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("flags"),
+                              bind_backward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxflash

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "cuda/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -163,6 +164,87 @@ inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
       return ffi::Error::InvalidArgument("jaxflash: dk and dv must be broadcast along the same instance axes");
   }
   return ffi::Error::Success();
+}
+
+// The whole decode of each direction, shared by the CPU and CUDA handlers.
+inline ffi::Error decode_forward(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                                 ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
+                                 ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& o, ffi::AnyBuffer& lse,
+                                 ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
+                                 ffi::Span<const int64_t> dims, float scale, int64_t window_left,
+                                 int64_t window_right, int64_t flags) {
+  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
+    return e;
+  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
+  const ffi::DataType o_type = p.has(kOutputF32) ? ffi::DataType::F32 : ffi_type(p.dtype);
+  if (auto e = attach(p, kO, p.o, o, o_type); e.failure()) return e;
+  return attach(p, kLse, p.lse, lse, ffi::DataType::F32);
+}
+
+inline ffi::Error decode_backward(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                                  ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
+                                  ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
+                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
+                                  ffi::AnyBuffer& dbias, ffi::Span<const int64_t> instance_sizes,
+                                  ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
+                                  int64_t window_left, int64_t window_right, int64_t flags) {
+  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
+    return e;
+  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
+  const ffi::DataType t = ffi_type(p.dtype);
+  if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = attach(p, kDelta, p.delta, delta, ffi::DataType::F32); e.failure()) return e;
+  if (auto e = attach(p, kDo, p.d_o, d_o, t); e.failure()) return e;
+  if (auto e = attach(p, kDq, p.dq, dq, t); e.failure()) return e;
+  if (auto e = attach(p, kDk, p.dk, dk, t); e.failure()) return e;
+  if (auto e = attach(p, kDv, p.dv, dv, t); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasDbias, kDbias, p.dbias, dbias, ffi_type(p.bias_dtype)); e.failure())
+    return e;
+  return check_gradient_layouts(p);
+}
+
+// The FFI signatures, after each platform's context (thread pool or stream).
+// Forward: inputs, then results o, lse. Backward: inputs, lse, delta, d_o, then
+// results dq, dk, dv, dbias, workspace. Both end with the layout attributes.
+// (Bindings are move-only with a private move constructor: taken by &&.)
+template <class Binding>
+auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+
+template <class Binding>
+auto bind_attributes(Binding&& binding) {
+  return std::move(binding).template Attr<ffi::Span<const int64_t>>("instance_sizes")
+      .template Attr<ffi::Span<const int64_t>>("strides")
+      .template Attr<ffi::Span<const int64_t>>("dims")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<int64_t>("flags");
+}
+
+template <class Binding>
+auto bind_forward(Binding&& binding) {
+  return bind_attributes(bind_inputs(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>());
+}
+
+template <class Binding>
+auto bind_backward(Binding&& binding) {
+  return bind_attributes(bind_inputs(std::move(binding))
+                             .template Arg<ffi::AnyBuffer>()   // lse
+                             .template Arg<ffi::AnyBuffer>()   // delta
+                             .template Arg<ffi::AnyBuffer>()   // d_o
+                             .template Ret<ffi::AnyBuffer>()   // dq
+                             .template Ret<ffi::AnyBuffer>()   // dk
+                             .template Ret<ffi::AnyBuffer>()   // dv
+                             .template Ret<ffi::AnyBuffer>()   // dbias
+                             .template Ret<ffi::AnyBuffer>());  // workspace
 }
 
 }  // namespace jaxflash
