@@ -91,16 +91,6 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid
   }
 }
 
-// Whether every row of `view` starts on a 16-byte boundary (base, row stride
-// and instance strides), so rows can move in 16-byte chunks.
-bool rows_aligned(const AttentionParams& p, const ArrayView& view, int elem_bytes) {
-  const int64_t chunk = 16 / elem_bytes;
-  if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || view.row_stride % chunk != 0) return false;
-  for (int d = 0; d < p.num_inst_dims; ++d)
-    if (p.inst_size[d] > 1 && view.inst_stride[d] % chunk != 0) return false;
-  return true;
-}
-
 template <class T>
 cudaError_t dispatch_head_dim(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   switch (bwd_padded_head_dim(p.head_dim)) {
