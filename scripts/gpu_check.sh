@@ -46,7 +46,10 @@ done
 
 # The test suite, from outside the source tree so the installed package is imported.
 cd /tmp
-PYTEST_ARGS=(-q -n 8 -p no:cacheprovider --durations=10 "$REPO/tests")
+# -rf names every failure in the summary, --tb=line keeps each to one line, and
+# -v puts each result (with its test id) in the log as it happens, so a run cut
+# short still says which cases failed.
+PYTEST_ARGS=(-v -rf --tb=line -n 8 -p no:cacheprovider --durations=10 "$REPO/tests")
 [ "$MODE" = quick ] && PYTEST_ARGS+=(-k cuda)
 step pytest pytest.log python3 -m pytest "${PYTEST_ARGS[@]}"
 
