@@ -9,15 +9,14 @@ per dtype (forward and gradients); the table times jitted jaxflash and jax.nn
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxflash
 from jaxflash.accuracy import error_bound, max_abs_error
+from jaxflash.bench import measure
 
 # (name, q shape BTNH, kv shape BSKH, keyword arguments); no row is fully
 # masked in these, so jax.nn's convention and ours agree.
@@ -77,34 +76,6 @@ def self_check() -> bool:
   return all_ok
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def _footprint_bytes(fn, args) -> int:
-  """Arguments + outputs + temporaries of the compiled program (XLA's buffer assignment)."""
-  stats = fn.lower(*args).compile().memory_analysis()
-  return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-
-
-def _measure(attention, args, repeats, backward):
-  if backward:
-    fn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, is_causal=False)),
-                          argnums=(0, 1, 2)))
-  else:
-    fn = jax.jit(lambda q, k, v: attention(q, k, v))
-  try:
-    return _median_seconds(fn, args, repeats), _footprint_bytes(fn, args)
-  except Exception as e:  # noqa: BLE001 - e.g. XLA running out of memory at long N
-    return f"{type(e).__name__}", None
-
-
 def bench(seqlens, batch, heads, head_dim, dtype, repeats) -> None:
   print(f"\nspeed and memory on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
         f"batch {batch}, {heads} heads, head dim {head_dim}, {jnp.dtype(dtype).name}, "
@@ -115,8 +86,8 @@ def bench(seqlens, batch, heads, head_dim, dtype, repeats) -> None:
     keys = jax.random.split(jax.random.key(n), 3)
     args = tuple(jax.random.normal(k, (batch, n, heads, head_dim), dtype) for k in keys)
     for backward in (False, True):
-      ours_t, ours_m = _measure(jaxflash.attention, args, repeats, backward)
-      xla_t, xla_m = _measure(jax.nn.dot_product_attention, args, repeats, backward)
+      ours_t, ours_m = measure(jaxflash.attention, args, backward, False, repeats)
+      xla_t, xla_m = measure(jax.nn.dot_product_attention, args, backward, False, repeats)
       fmt_t = lambda t: f"{t * 1e3:.1f}" if isinstance(t, float) else t
       fmt_m = lambda m: f"{m / 2**20:.0f}" if m is not None else "-"
       speedup = (f"{xla_t / ours_t:.2f}x" if isinstance(ours_t, float) and isinstance(xla_t, float)

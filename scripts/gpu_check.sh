@@ -54,7 +54,8 @@ PYTEST_ARGS=(-v -rf --tb=line -n 8 -p no:cacheprovider --durations=10 "$REPO/tes
 step pytest pytest.log python3 -m pytest "${PYTEST_ARGS[@]}"
 
 if [ "$MODE" = full ] && python3 -c "import jaxflash.bench" 2>/dev/null; then
-  step bench bench.log python3 -m jaxflash.bench --out "$OUT/bench.md"
+  step bench bench.log python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
+    --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
 fi
 SEQLENS=1024,4096,16384
 [ "$MODE" = quick ] && SEQLENS=4096,16384
