@@ -24,6 +24,11 @@ constexpr int kMaxInstanceDims = 8;
 
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
+// Bytes per element; 0 for a value outside the enum (a decoding error).
+JF_HOST_DEVICE int dtype_bytes(DType t) {
+  return t == DType::kF32 ? 4 : (t == DType::kF16 || t == DType::kBF16) ? 2 : 0;
+}
+
 // One operand seen as [instance..., row, col], strides in elements.
 //   q, k, v, o, d_o, dq, dk, dv : row = sequence position, col = feature (head dim)
 //   bias, mask, dbias           : row = query position,    col = key position

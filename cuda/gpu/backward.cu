@@ -124,17 +124,12 @@ cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const B
 int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
                                  DType dtype) {
   (void)seqlen_k;  // the layout has nothing per key
-  return BwdWorkspaceLayout::of(num_instances, seqlen_q, head_dim, dtype == DType::kF32 ? 4 : 2).total_bytes;
+  return BwdWorkspaceLayout::of(num_instances, seqlen_q, head_dim, dtype_bytes(dtype)).total_bytes;
 }
 
 cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
-  int elem_bytes;
-  switch (p.dtype) {
-    case DType::kF32: elem_bytes = 4; break;
-    case DType::kF16:
-    case DType::kBF16: elem_bytes = 2; break;
-    default: return cudaErrorInvalidValue;
-  }
+  const int elem_bytes = dtype_bytes(p.dtype);
+  if (elem_bytes == 0) return cudaErrorInvalidValue;
   if (p.num_inst_dims < 0 || p.num_inst_dims > kMaxInstanceDims) return cudaErrorInvalidValue;
   for (int d = 0; d < p.num_inst_dims; ++d)
     if (p.inst_size[d] < 1) return cudaErrorInvalidValue;

@@ -33,13 +33,8 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cu
 }  // namespace
 
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
-  int elem_bytes;
-  switch (p.dtype) {
-    case DType::kF32: elem_bytes = 4; break;
-    case DType::kF16:
-    case DType::kBF16: elem_bytes = 2; break;
-    default: return cudaErrorInvalidValue;
-  }
+  const int elem_bytes = dtype_bytes(p.dtype);
+  if (elem_bytes == 0) return cudaErrorInvalidValue;
   // Positions are 32-bit in the kernel (see primitives/positions.h).
   if (p.head_dim < 0 || p.head_dim > 256 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.seqlen_q >= kMaxSeqLen ||
       p.seqlen_k >= kMaxSeqLen)
