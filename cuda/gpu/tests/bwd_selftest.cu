@@ -16,6 +16,8 @@
 // Run: /tmp/bwd_selftest          correctness + determinism, exit status 0 iff all pass
 //      /tmp/bwd_selftest bench    also time the bf16 backward at FlashAttention's benchmark shapes
 //      /tmp/bwd_selftest quick    correctness only (for compute-sanitizer)
+//      /tmp/bwd_selftest bench-only [D N causal|full]
+//                                 only the timing, optionally of one shape (e.g. for ncu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -500,11 +503,18 @@ bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   return same;
 }
 
-void bench() {
+struct BenchFilter {
+  int head_dim = 0, seqlen = 0, causal = -1;  // 0 / -1: every value
+};
+
+void bench(const BenchFilter& only) {
   std::printf("\nbf16 backward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
   for (int H : {64, 128})
     for (bool causal : {false, true})
       for (int L : {1024, 4096, 16384}) {
+        if ((only.head_dim && H != only.head_dim) || (only.seqlen && L != only.seqlen) ||
+            (only.causal >= 0 && int(causal) != only.causal))
+          continue;
         const int B = 16384 / L, N = 2048 / H;
         const size_t n = size_t(B) * L * N * H;
         DeviceBuffer q(2 * n), k(2 * n), v(2 * n), d_o(2 * n), dq(2 * n), dk(2 * n), dv(2 * n);
@@ -557,6 +567,13 @@ void bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "bench-only") {
+    BenchFilter only;
+    if (argc > 4)
+      only = {std::atoi(argv[2]), std::atoi(argv[3]), std::string(argv[4]) == "causal" ? 1 : 0};
+    bench(only);
+    return 0;
+  }
   const DType f16 = DType::kF16, bf16 = DType::kBF16, f32 = DType::kF32;
   // name, dtype, B, N, K, T, S, H, window_left, window_right, bottom_right, bias, dbias, mask, lens, dlse, layout
   std::vector<Case> cases = {
@@ -628,6 +645,6 @@ int main(int argc, char** argv) {
   for (const Case& c : det) (run_determinism(c, 3, rng) ? passed : failed)++;
 
   std::printf("%d passed, %d failed\n", passed, failed);
-  if (want_bench) bench();
+  if (want_bench) bench(BenchFilter{});
   return failed == 0 ? 0 : 1;
 }
