@@ -30,7 +30,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size: int | tuple[int, int] | None = None,
               implementation: None = None, return_residual: bool = False,
-              mask_alignment: Literal["top_left", "bottom_right"] = "top_left"):
+              mask_alignment: Literal["top_left", "bottom_right"] = "top_left",
+              precision: str | jax.lax.Precision | None = None):
   r"""Scaled dot-product attention, computed by jaxflash's FlashAttention kernels.
 
   Same arguments, shapes and semantics as :func:`jax.nn.dot_product_attention`:
@@ -59,6 +60,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     mask_alignment: ``"top_left"`` (jax.nn) or ``"bottom_right"``: the causal
       and window diagonal ends at the last query and key (offset
       ``kv_len - q_len``), as FlashAttention >= 2.1 does for ``T != S``.
+    precision: the products' precision for float32 inputs, as for
+      :func:`jax.numpy.matmul`: None (``jax.config.jax_default_matmul_precision``
+      at trace time, so ``with jax.default_matmul_precision("highest"):``
+      applies), a name that :func:`jax.default_matmul_precision` takes
+      (``"default"``, ``"high"``, ``"highest"``, ``"tensorfloat32"``,
+      ``"float32"``, ...) or a :class:`jax.lax.Precision`. ``"highest"`` /
+      ``"float32"`` (and any algorithm at least float32-accurate) give
+      float32-accurate products; everything else lets the CUDA kernels use
+      tf32 tensor cores, like XLA's own float32 default on Ampere and later.
+      The CPU kernels are always float32-exact; 16-bit inputs are unaffected.
 
   Returns:
     The attention output, shaped like ``query``; with ``return_residual``, a
@@ -70,7 +81,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
   """
   call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                    key_value_seq_lengths, local_window_size, implementation, return_residual,
-                   mask_alignment)
+                   mask_alignment, precision)
   if call.is_empty:
     out = jnp.zeros(call.q.shape, call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
@@ -109,13 +120,14 @@ def _as_array(x, name: str) -> jax.Array:
 
 def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
               key_value_seq_lengths, local_window_size, implementation, return_residual,
-              mask_alignment) -> _Call:
+              mask_alignment, precision) -> _Call:
   if implementation is not None:
     raise ValueError(f"jaxflash.attention: implementation must be None (jaxflash always uses "
                      f"its own kernels), got {implementation!r}")
   if mask_alignment not in ("top_left", "bottom_right"):
     raise ValueError(f"jaxflash.attention: mask_alignment must be 'top_left' or 'bottom_right', "
                      f"got {mask_alignment!r}")
+  exact_f32 = _exact_f32(precision)
   for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"jaxflash.attention: {name} must be a bool, got {flag!r}")
@@ -226,6 +238,8 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
   scale = _scale(scale, H)
 
   flags = prims.BOTTOM_RIGHT if mask_alignment == "bottom_right" else 0
+  if exact_f32 and q.dtype == jnp.float32:
+    flags |= prims.EXACT_F32
   layouts = {"q": seq_layout(q, head_role), "k": seq_layout(k, kv_head_role),
              "v": seq_layout(v, kv_head_role)}
   layouts["o"] = layouts["q"]
@@ -261,6 +275,42 @@ def _window(local_window_size, is_causal) -> tuple[int, int]:
   if is_causal:
     right = 0
   return left, right
+
+
+# jax.default_matmul_precision's names (and lax.Precision's string aliases). Of these,
+# "highest"/"float32" ask for float32-accurate products; the others allow tf32 (or less).
+_PRECISION_NAMES = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32",
+                    "bfloat16_3x", "fastest")
+_EXACT_PRECISION_NAMES = ("highest", "float32")
+# lax.DotAlgorithmPreset names (also accepted by jax.default_matmul_precision) that are at
+# least float32-accurate: what the kernels' 3xTF32 products give.
+_EXACT_PRESETS = ("F32_F32_F32", "F64_F64_F64", "TF32_TF32_F32_X3", "BF16_BF16_F32_X6",
+                  "BF16_BF16_F32_X9")
+
+
+def _exact_f32(precision) -> bool:
+  """Whether `precision` (None: jax_default_matmul_precision now) asks for float32-accurate
+  products. Checked for every dtype, though only float32 inputs use it."""
+  given = precision
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision  # the trace-time (context) value
+    if precision is None:
+      return False
+  presets = [p.name for p in jax.lax.DotAlgorithmPreset]
+  if isinstance(precision, jax.lax.Precision):
+    return precision == jax.lax.Precision.HIGHEST
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    return precision.name in _EXACT_PRESETS
+  if isinstance(precision, str):
+    if precision in _PRECISION_NAMES:
+      return precision in _EXACT_PRECISION_NAMES
+    if precision in presets:
+      return precision in _EXACT_PRESETS
+  what = "jax_default_matmul_precision" if given is None else "precision"
+  raise ValueError(f"jaxflash.attention: {what} must be None, a jax.lax.Precision, a "
+                   f"jax.lax.DotAlgorithmPreset or one of the names "
+                   f"{', '.join(map(repr, _PRECISION_NAMES))} (or a preset's name), got "
+                   f"{precision!r}")
 
 
 def _scale(scale, head_dim: int) -> float:

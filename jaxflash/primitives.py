@@ -38,6 +38,7 @@ HAS_KV_LENS = 1 << 3
 BOTTOM_RIGHT = 1 << 4
 HAS_DBIAS = 1 << 6
 OUTPUT_F32 = 1 << 7
+EXACT_F32 = 1 << 8  # float32 inputs: float32-accurate products (3xTF32 on CUDA), not tf32
 UNBOUNDED = -1
 
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens")

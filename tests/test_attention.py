@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -294,3 +295,36 @@ def test_reference_is_jax_nn(feature):
   for name in jax_nn_grads:
     np.testing.assert_allclose(np.asarray(restated_grads[name]), np.asarray(jax_nn_grads[name]),
                                rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# (dtype, precision argument, jax.default_matmul_precision context, EXACT_F32 expected)
+PRECISION_FLAGS = (
+    ("float32", None, None, False),
+    ("float32", "default", None, False),
+    ("float32", "tensorfloat32", None, False),
+    ("float32", "highest", None, True),
+    ("float32", "float32", None, True),
+    ("float32", jax.lax.Precision.HIGHEST, None, True),
+    ("float32", jax.lax.Precision.HIGH, None, False),
+    ("float32", None, "highest", True),  # None follows the context at trace time
+    ("float32", "default", "highest", False),  # an explicit argument wins
+    ("float32", "F32_F32_F32", None, True),
+    ("bfloat16", "highest", None, False),  # 16-bit inputs never carry the bit
+)
+
+
+@pytest.mark.parametrize("dtype,precision,context,exact", PRECISION_FLAGS,
+                         ids=[f"{d}-{p}-ctx_{c}" for d, p, c, _ in PRECISION_FLAGS])
+def test_precision_selects_exact_float32(dtype, precision, context, exact, backend):
+  """`precision` reaches both kernels' flags as EXACT_F32 (bit 8), only for float32 inputs."""
+  q = jnp.ones((1, 8, 2, 16), dtype)
+  fn = jax.jit(jax.grad(lambda q: jnp.sum(jaxflash.attention(q, q, q, precision=precision)
+                                          .astype(jnp.float32))))
+  if context is None:
+    text = fn.lower(q).as_text()
+  else:
+    with jax.default_matmul_precision(context):
+      text = fn.lower(q).as_text()
+  flags = [int(f) for f in re.findall(r"flags = (\d+)", text)]
+  assert len(flags) == 2, f"expected a forward and a backward call, got flags {flags}"
+  assert all(bool(f & jaxflash.primitives.EXACT_F32) == exact for f in flags), flags

@@ -76,6 +76,8 @@ ERROR_CASES = {
     "implementation_xla": (dict(implementation="xla"), r"implementation", [r"xla"]),
     "mask_alignment_middle": (dict(mask_alignment="middle"), r"mask_alignment", [r"middle"]),
     "scale_not_a_number": (dict(scale="large"), r"scale", [r"large"]),
+    "precision_unknown_name": (dict(precision="fp64"), r"precision", [r"fp64", r"highest"]),
+    "precision_not_a_name": (dict(precision=3), r"precision", [r"\b3\b"]),
 }
 
 
