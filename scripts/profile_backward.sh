@@ -8,10 +8,10 @@
 #   scripts/profile_backward.sh 128 4096 full ncu  ... and its Nsight Compute profile
 set -euo pipefail
 OUT=${OUT:-/tmp/jaxflash_out}
-BUILD=${BUILD:-/tmp/bwd_profile}
+BUILD=${BUILD:-/tmp/bwd_profile}  # EXTRA_FLAGS: more nvcc flags, e.g. -DJAXFLASH_BWD_NO_BULK
 mkdir -p "$OUT" "$BUILD"
 cd "$(dirname "$0")/.."
-flags="-std=c++17 -O3 --use_fast_math -gencode=arch=compute_90a,code=sm_90a -I."
+flags="-std=c++17 -O3 --use_fast_math -gencode=arch=compute_90a,code=sm_90a -I. ${EXTRA_FLAGS:-}"
 ls cuda/gpu/tests/bwd_selftest.cu cuda/gpu/backward.cu cuda/gpu/instantiations/bwd_*.cu |
   xargs -P 16 -I{} sh -c "nvcc $flags -c {} -o $BUILD/\$(basename {}).o"
 nvcc $flags "$BUILD"/*.o -o "$BUILD/bwd_selftest"

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_prepass(const __grid_
 // One warp per dq row (instance, t), t < T. The accumulator holds each Q tile
 // as `chunks` blocks of block_m x chunk_cols floats in the kernel's fragment
 // order (bwd_kernel.h, dq_frag_offset): element (r, d) of a block sits in warp
-// (r / rows, d / cols)'s fragment (mf, nf), element e, lane 4 g + q.
+// (r / rows, d / cols)'s part, fragment (mf, nf), element e, lane 4 g + q.
 template <class T>
 __global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid_constant__ AttentionParams p,
                                                                     const BwdRuntime rt) {
@@ -194,7 +194,17 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.dq_bulk = major >= 9;
 #endif
   rt.general = has_bias || has_mask || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
-  const BwdTiles tiles = bwd_tiles(elem_bytes, static_cast<int>(w.d_pad), rt.general);
+  // The fast variant's larger tiles can exceed a device's shared memory
+  // (sm_86 / sm_89 have 99 KB per block); the general variant computes the
+  // same with smaller ones. 1 KB of slack covers the kernel's static shared
+  // memory.
+  int smem_limit = 0;
+  if ((err = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess)
+    return err;
+  const int d_pad = static_cast<int>(w.d_pad);
+  if (!rt.general && bwd_smem_bytes(bwd_tiles(elem_bytes, d_pad, false), elem_bytes, d_pad, rt.dq_bulk) + 1024 > smem_limit)
+    rt.general = true;
+  const BwdTiles tiles = bwd_tiles(elem_bytes, d_pad, rt.general);
   rt.k_tiles = (p.seqlen_k + tiles.block_n - 1) / tiles.block_n;
   rt.kv_reduce_mask = kv_mask;
   rt.kv_kept = split_count(p, kv_mask, false);

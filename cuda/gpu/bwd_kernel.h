@@ -7,30 +7,34 @@
 //   dV += P^T dO,  dK += dS^T Q
 //   dQ(tile) += dS K   into the fp32 workspace, in a fixed order (below)
 //
-// Deterministic dQ. Every (instance, Q tile) has a semaphore counting the key
-// tiles that have added their share. The key tiles that touch Q tile i are a
-// contiguous range [j_first, j_last] (the visible band is convex), with
-// j_first = visible_keys(i).lo / BLOCK_N; the CTA of key tile j waits until the
-// semaphore equals j - j_first, adds its partial (sm_90: one bulk reduction
-// from shared memory; sm_80: fp32 atomics), waits for the adds to complete,
-// fences and increments. So each dQ element receives its adds in ascending
-// key-tile order, whatever the schedule: bitwise reproducible. The CTA's own Q-tile range comes from
-// visible_queries(j), the transpose of the same band, so the two sides agree on
-// exactly which key tiles contribute (params.h computes both from one rule).
+// Deterministic dQ. Every (instance, Q tile) has one semaphore per warp,
+// counting the key tiles whose warp of that index has added its block of the
+// tile (a warp's block is the same in every CTA). The key tiles that touch Q
+// tile i are a contiguous range [j_first, j_last] (the visible band is
+// convex), with j_first = visible_keys(i).lo / BLOCK_N; warp w of key tile j
+// waits until its semaphore equals j - j_first, adds its partial (sm_90: one
+// bulk reduction from shared memory; sm_80: fp32 atomics), waits for the adds
+// to complete, fences and increments. So each dQ element receives its adds in
+// ascending key-tile order, whatever the schedule: bitwise reproducible. The
+// CTA's own Q-tile range comes from visible_queries(j), the transpose of the
+// same band, so the two sides agree on exactly which key tiles contribute
+// (params.h computes both from one rule).
 //
 // No deadlock. CTAs do not use blockIdx: each takes a ticket from a zeroed
 // counter on entry and decodes (kept instance, key tile) from it, key tile
-// slowest. A CTA only ever waits for CTAs of the same kept instance with a
-// smaller key tile, i.e. a smaller ticket, and a CTA holding a ticket is
-// resident (it took it while running). By induction on tickets the smallest
-// unfinished one waits on nothing unfinished, so it completes: no reliance on
-// the hardware dispatching blocks in index order. Tickets also give the
-// longest CTAs (small key tiles under causal masking) the first slots.
+// slowest. A warp only ever waits for a warp of a CTA of the same kept
+// instance with a smaller key tile, i.e. a smaller ticket, and a CTA holding
+// a ticket is resident (it took it while running). By induction on tickets
+// the smallest unfinished one waits on nothing unfinished (its warps wait
+// only for each other, at barriers), so it completes: no reliance on the
+// hardware dispatching blocks in index order. Tickets also give the longest
+// CTAs (small key tiles under causal masking) the first slots.
 //
-// A turn's signal is deferred until just before the CTA's next wait (or its
-// exit), so the completion wait and fence find the adds already done instead
-// of stalling on them. That keeps the argument intact: a CTA never waits while holding an
-// unsignalled turn, and between a turn and its signal it only computes.
+// A turn's signal is deferred until just before the warp's next wait (or the
+// CTA's exit), so the completion wait and fence find the adds already done
+// instead of stalling on them. That keeps the argument intact: a warp never
+// waits while holding an unsignalled turn, and between a turn and its signal
+// it only computes and meets its own CTA's barriers.
 #pragma once
 
 #include <cstdint>
@@ -44,109 +48,114 @@
 
 namespace jaxflash::gpu {
 
-// Thread 0 spins until *sem >= target.
+// The calling thread spins until *sem >= target.
 __device__ __forceinline__ void spin_until(const int* sem, int target) {
   while (ld_acquire_gpu(sem) < target) __nanosleep(32);
 }
 
 // Position of element e (0..3, the C-fragment order) of fragment (mf, nf) of
-// `lane` in `warp`, inside one block_m x chunk_cols block of the dQ
-// accumulator: fragment order, each element's 32 lanes contiguous. Every warp
-// store / atomic then covers 128 contiguous bytes (conflict-free in shared
-// memory, whole sectors at L2); backward_postpass un-permutes.
+// `lane` inside its warp's block of the dQ accumulator (a chunk is
+// block_m x chunk_cols floats; warp w's block starts at w * kWarpFloats):
+// fragment order, each element's 32 lanes contiguous. Every warp store /
+// atomic then covers 128 contiguous bytes (conflict-free in shared memory,
+// whole sectors at L2); backward_postpass un-permutes.
 template <class Cfg>
-__device__ __forceinline__ int dq_frag_offset(int warp, int mf, int nf, int e, int lane) {
-  return (((warp * Cfg::kQMF + mf) * Cfg::kQNF + nf) * 4 + e) * 32 + lane;
+__device__ __forceinline__ int dq_frag_offset(int mf, int nf, int e, int lane) {
+  return ((mf * Cfg::kQNF + nf) * 4 + e) * 32 + lane;
 }
 
 // dQ(tile) += dS K for the CTA's turn on (instance, Q tile), in the
-// accumulator block `acc` (the tile's first chunk). A turn's signal is left
-// `pending` and given at the CTA's next turn (or exit, flush_dq_turn): by then
-// the adds have long landed and the signal costs no wait.
+// accumulator block `acc` (the tile's first chunk). Each warp adds its own
+// block of the tile on its own: it waits on its own semaphore `sems[warp]`
+// (which the same warp of the previous key tile signals), adds, and leaves
+// its signal `pending` until its next turn (or exit, flush_dq_turn), by when
+// the adds have long landed and the signal costs no wait. No CTA barrier: a
+// warp waiting for its turn holds up no other warp.
 //
-// sm_90: the partial goes to shared memory (fragment order, so the block is
-// contiguous) and thread 0 alone waits for the turn and issues one bulk
-// reduction per chunk; the other warps run on into the next Q tile.
-// sm_80: every thread waits at a barrier and adds with coalesced fp32 atomics.
+// sm_90: the warp's partial goes to its own part of the shared-memory stage
+// (fragment order, so its block is contiguous) and lane 0 issues one bulk
+// reduction per chunk. sm_80: every lane adds with coalesced fp32 atomics.
 template <class Cfg>
-__device__ __forceinline__ void accumulate_dq(float* acc, int* sem, int target, int*& pending,
+__device__ __forceinline__ void accumulate_dq(float* acc, int* sems, int target, int*& pending,
                                               const typename Cfg::PTile& sdS, const typename Cfg::KTile& sK,
-                                              float* stage, int tid) {
+                                              float* stage, int lane, int warp) {
   using T = typename Cfg::T;
   constexpr int MF = Cfg::kQMF, NF = Cfg::kQNF;
   constexpr int kChunkFloats = Cfg::kBlockM * Cfg::kQChunkCols;
-  const int lane = tid % 32, warp = tid / 32;
+  constexpr int kWarpFloats = MF * NF * 4 * 32;  // one warp's block of a chunk
   const int row0 = (warp / Cfg::kQWarpsN) * Cfg::kQRows;
   const int col0 = (warp % Cfg::kQWarpsN) * Cfg::kQCols;
+  int* const sem = sems + warp;
+  float* const warp_acc = acc + warp * kWarpFloats;
 #pragma unroll 1
   for (int c = 0; c < Cfg::kQChunks; ++c) {
     float dq[MF][NF][4];
     zero_frags(dq);
     warp_gemm<T, AOrder::kMK, BOrder::kKN, Cfg::kBlockN, Cfg::kTiles.unroll>(dq, sdS, row0, sK, c * Cfg::kQChunkCols + col0, lane);
 #if JF_BWD_DQ_BULK
-    if (tid == 0) {
+    float* const warp_stage = stage + warp * kWarpFloats;
+    if (lane == 0) {
       if (c == 0 && pending != nullptr) {  // signal the last turn (its reduction also freed the stage)
         bulk_wait_all();
         fence_proxy_async_global();
-        __threadfence();
-        atomicAdd(pending, 1);
+        red_release_gpu(pending, 1);
       } else if (c > 0) {
         bulk_wait_reads();  // the previous chunk's reduction has read the stage
       }
     }
-    __syncthreads();  // the stage is free
+    __syncwarp();  // the stage is free
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) stage[dq_frag_offset<Cfg>(warp, mf, nf, e, lane)] = dq[mf][nf][e];
+        for (int e = 0; e < 4; ++e) warp_stage[dq_frag_offset<Cfg>(mf, nf, e, lane)] = dq[mf][nf][e];
     fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
-    __syncthreads();
-    if (tid == 0) {
+    __syncwarp();
+    if (lane == 0) {
       if (c == 0) {
         spin_until(sem, target);
         fence_proxy_async_global();
       }
-      bulk_reduce_add_f32(acc + c * kChunkFloats, stage, kChunkFloats * 4);
+      bulk_reduce_add_f32(warp_acc + c * kChunkFloats, warp_stage, kWarpFloats * 4);
       bulk_commit();
     }
 #else
+    (void)stage;
     if (c == 0) {
-      if (pending != nullptr) {  // every thread's atomics done and visible, then one increment
+      if (pending != nullptr) {  // every lane's atomics done and visible, then one increment
         __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicAdd(pending, 1);
+        __syncwarp();
+        if (lane == 0) atomicAdd(pending, 1);
       }
-      if (tid == 0) spin_until(sem, target);
-      __syncthreads();
+      if (lane == 0) spin_until(sem, target);
+      __syncwarp();
     }
-    float* block = acc + c * kChunkFloats;
+    float* const block = warp_acc + c * kChunkFloats;
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) atomicAdd(block + dq_frag_offset<Cfg>(warp, mf, nf, e, lane), dq[mf][nf][e]);
+        for (int e = 0; e < 4; ++e) atomicAdd(block + dq_frag_offset<Cfg>(mf, nf, e, lane), dq[mf][nf][e]);
 #endif
   }
   pending = sem;
 }
 
-// The CTA's last pending signal, before it exits.
-__device__ __forceinline__ void flush_dq_turn(int* pending, int tid) {
+// The warp's last pending signal, before the CTA exits.
+__device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
   if (pending == nullptr) return;
 #if JF_BWD_DQ_BULK
-  if (tid == 0) {
+  if (lane == 0) {
     bulk_wait_all();
     fence_proxy_async_global();
-    __threadfence();
-    atomicAdd(pending, 1);
+    red_release_gpu(pending, 1);
   }
 #else
   __threadfence();
-  __syncthreads();
-  if (tid == 0) atomicAdd(pending, 1);
+  __syncwarp();
+  if (lane == 0) atomicAdd(pending, 1);
 #endif
 }
 
@@ -158,11 +167,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
   using PTile = typename Cfg::PTile;
+  constexpr int kStages = Cfg::kQStages;
   extern __shared__ __align__(128) char smem[];
-  const QTile sQ{smem}, sdO{smem + QTile::kBytes};
-  const KTile sK{smem + 2 * QTile::kBytes}, sV{smem + 2 * QTile::kBytes + KTile::kBytes};
-  const PTile sP{smem + 2 * QTile::kBytes + 2 * KTile::kBytes};
-  const PTile sdS{smem + 2 * QTile::kBytes + 2 * KTile::kBytes + PTile::kBytes};
+  // Q and dO of stage s at smem + 2 s QTile::kBytes (+ QTile::kBytes for dO).
+  char* const q_stages = smem;
+  char* const kv = smem + 2 * kStages * QTile::kBytes;
+  const KTile sK{kv}, sV{kv + KTile::kBytes};
+  const PTile sP{kv + 2 * KTile::kBytes};
+  const PTile sdS{kv + 2 * KTile::kBytes + PTile::kBytes};
   float* dq_stage = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);  // sm_90 only (see the launcher)
   __shared__ int s_ticket;
 
@@ -218,20 +230,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       k_resident = k, v_resident = v, kv_rows_resident = kv_rows;
     }
 
-    auto load_q_tile = [&](int64_t m0) {
+    auto load_q_tile = [&](int64_t m0, int s) {
       const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));  // rows past q_len: zeros
-      load_tile<kThreads>(sQ, q + m0 * p.q.row_stride, p.q.row_stride, valid, head_dim, q_vec, tid);
-      load_tile<kThreads>(sdO, d_o + m0 * p.d_o.row_stride, p.d_o.row_stride, valid, head_dim, do_vec, tid);
+      const QTile q_dst{q_stages + 2 * s * QTile::kBytes}, do_dst{q_stages + (2 * s + 1) * QTile::kBytes};
+      load_tile<kThreads>(q_dst, q + m0 * p.q.row_stride, p.q.row_stride, valid, head_dim, q_vec, tid);
+      load_tile<kThreads>(do_dst, d_o + m0 * p.d_o.row_stride, p.d_o.row_stride, valid, head_dim, do_vec, tid);
       cp_async_commit();
     };
 
     const int64_t i_first = rows.lo / BM, i_last = (rows.hi - 1) / BM;
-    load_q_tile(i_first * BM);
+    int stage = 0;  // the stage holding Q tile i
+    load_q_tile(i_first * BM, stage);
 #pragma unroll 1
-    for (int64_t i = i_first; i <= i_last; ++i) {
+    for (int64_t i = i_first; i <= i_last; ++i, stage = kStages == 2 ? stage ^ 1 : 0) {
       const int64_t m0 = i * BM;
       cp_async_wait<0>();  // Q, dO (and K, V the first time) landed
       __syncthreads();
+      // Double buffered: the next tile loads during this whole one. Its stage
+      // was last read by the previous tile's dK / dV GEMMs, which every warp
+      // has finished (the barrier above).
+      if (kStages == 2 && i < i_last) load_q_tile(m0 + BM, stage ^ 1);
+      const QTile sQ{q_stages + 2 * stage * QTile::kBytes}, sdO{q_stages + (2 * stage + 1) * QTile::kBytes};
 
       {
         float pr[Cfg::kSMF][Cfg::kSNF][4], ds[Cfg::kSMF][Cfg::kSNF][4];
@@ -245,15 +264,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       // dV += P^T dO, dK += dS^T Q (scale applied at the end).
       warp_gemm<T, AOrder::kKM, BOrder::kKN, BM, Cfg::kTiles.unroll>(dv, sP, kv_row0, sdO, kv_col0, lane);
       warp_gemm<T, AOrder::kKM, BOrder::kKN, BM, Cfg::kTiles.unroll>(dk, sdS, kv_row0, sQ, kv_col0, lane);
-      __syncthreads();  // sQ, sdO free: fetch the next tile behind the dQ step
-      if (i < i_last) load_q_tile(m0 + BM);
+      if (kStages == 1) {
+        __syncthreads();  // sQ, sdO free: fetch the next tile behind the dQ step
+        if (i < i_last) load_q_tile(m0 + BM, 0);
+      }
 
       const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
-      accumulate_dq<Cfg>(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad, rt.sems + linear * rt.q_tiles + i,
-                         target, pending, sdS, sK, dq_stage, tid);
+      accumulate_dq<Cfg>(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad,
+                         rt.sems + (linear * rt.q_tiles + i) * Cfg::kWarps, target, pending, sdS, sK, dq_stage,
+                         lane, warp);
     }
   }
-  flush_dq_turn(pending, tid);
+  flush_dq_turn(pending, lane);
 
   // Epilogue: dK (x scale) and dV through shared memory (as T) to global.
   // Keys in [kv_len, S) are written too: their accumulators are 0.

@@ -53,9 +53,13 @@ struct BwdConfig {
   using QTile = SmemTile<T, kBlockM, D>;        // Q and dO
   using KTile = SmemTile<T, kBlockN, D>;        // K and V (then dK, dV on the way out)
   using PTile = SmemTile<T, kBlockM, kBlockN>;  // P and dS, [query][key]
-  static constexpr int kSmemBytes = 2 * QTile::kBytes + 2 * KTile::kBytes + 2 * PTile::kBytes;
-  // sm_90: one dQ chunk staged in fp32 for the bulk reduction, after the tiles.
-  static constexpr int kDqStageBytes = kBlockM * kQChunkCols * 4;
+  static constexpr int kQStages = kTiles.q_stages;
+  static_assert(kQStages == 1 || kQStages == 2, "Q / dO single or double buffered");
+  // Q[stages], dO[stages], K, V, P, dS; on sm_90 then one dQ chunk staged in
+  // fp32 for the bulk reduction.
+  static constexpr int kSmemBytes = bwd_smem_bytes(kTiles, sizeof(T), D, false);
+  static constexpr int kDqStageBytes = bwd_smem_bytes(kTiles, sizeof(T), D, true) - kSmemBytes;
+  static_assert(kSmemBytes == 2 * kQStages * QTile::kBytes + 2 * KTile::kBytes + 2 * PTile::kBytes, "layout");
   // The dbias kernel needs no P / dS tiles.
   static constexpr int kDbiasSmemBytes = 2 * QTile::kBytes + 2 * KTile::kBytes;
 };
@@ -64,7 +68,7 @@ struct BwdConfig {
 // segment 256-byte aligned relative to a base that is itself rounded up to 256
 // bytes inside the buffer (hence the extra 256 in the total).
 //   counter : int          CTA tickets of the main kernel (zeroed per call)
-//   sems    : int [I][nQ]  per (instance, Q tile): dQ contributions so far (zeroed)
+//   sems    : int [I][nQ][W]  per (instance, Q tile, dQ warp): dQ contributions so far (zeroed)
 //   dq_acc  : f32 [I][T_pad][D_pad]  the dQ accumulator (zeroed), unscaled; each
 //             Q tile's block_m x D_pad floats in the order of BwdDqGrid
 //   lse2    : f32 [I][T_pad]  lse * log2 e, +inf for rows that get no gradient
@@ -83,7 +87,7 @@ struct BwdWorkspaceLayout {
     w.q_tiles = (seqlen_q + w.block_m - 1) / w.block_m;
     w.t_pad = w.q_tiles * w.block_m;
     w.sems_off = 256;
-    w.dq_acc_off = w.sems_off + align(instances * w.q_tiles * 4);
+    w.dq_acc_off = w.sems_off + align(instances * w.q_tiles * bwd_dq_grid(elem_bytes, static_cast<int>(w.d_pad)).warps * 4);
     w.lse2_off = w.dq_acc_off + align(instances * w.t_pad * w.d_pad * 4);
     w.zero_bytes = w.lse2_off;
     w.delta_off = w.lse2_off + align(instances * w.t_pad * 4);

@@ -9,39 +9,43 @@
 //   dV += P^T dO, dK += dS^T Q: BLOCK_N x D,       warps kv_warps_m x (warps / kv_warps_m)
 //   dQ  = dS K               : BLOCK_M x D,       warps q_warps_m x (warps / q_warps_m)
 // P and dS go through shared memory between the first pair and the rest, so
-// the grids are independent. Shared memory = (2 BLOCK_M + 2 BLOCK_N) x D + 2
-// BLOCK_M x BLOCK_N elements (Q, dO, K, V, P, dS).
+// the grids are independent. Shared memory = (2 q_stages BLOCK_M + 2 BLOCK_N)
+// x D + 2 BLOCK_M x BLOCK_N elements (Q and dO per stage, K, V, P, dS).
 //
-// Registers per lane: dK + dV accumulators 2 BLOCK_N D / (32 warps), live all
-// along; S + dP 2 BLOCK_M BLOCK_N / (32 warps); the dQ partial BLOCK_M D /
-// (32 warps q_chunks), transient. Every row below compiles without spills at
-// 255 registers (8 warps, so one CTA per SM): 64 x 64 tiles keep the dK/dV
-// accumulators at 2 x 16 x D/2 per lane; BLOCK_N = 128 at D = 128 spilled, as
-// did a 128-register cap (two CTAs per SM) at D = 64. 16-bit D = 32 / 64 take
-// BLOCK_N = 128 in the fast variant: half the dQ reductions and semaphore
-// steps per key, whose fixed cost per Q tile dominates at small D (64 x 64 ran
-// 40% slower at D = 64 on an H100); the general variant needs its registers
-// for bias / mask and keeps 64. fp32 (tf32) tiles are twice as large per
-// element, so BLOCK_M and then BLOCK_N shrink instead.
+// Every operand of the five GEMMs comes from shared memory, so the warp tile
+// sets the shared-memory traffic per MMA: larger warp tiles reuse each
+// fragment more. That is why the 16-bit D = 64 / 128 fast variants take
+// 128-key tiles (warp tiles 32 x 32 for S / dP / dQ and 32 x 64 for dK / dV,
+// FlashAttention-2's shapes): on an H100, D = 128 went from 128 to 183 TFLOP/s
+// (N = 4k) against 64 x 64 tiles, and D = 64 from 138 to 168 with 128 x 128.
+// Both spill a few registers (about 60 words, outside the MMA loops); every
+// other row compiles without spills at 255 registers (8 warps, one CTA per
+// SM). Double-buffered Q / dO (q_stages = 2) loads the next Q tile during the
+// whole current one. The general variant (bias / mask / unaligned rows) needs
+// registers for those and keeps 64-key tiles; it shares BLOCK_M and the dQ
+// grid with the fast one (the workspace layout). fp32 (tf32) tiles are twice
+// as large per element, so BLOCK_M and then BLOCK_N shrink instead.
 //
 // Shared memory: the tiles, plus on sm_90 a BLOCK_M x D/q_chunks fp32 stage
-// for the dQ bulk reduction. Without it (sm_80 path) every 16-bit row up to
-// D = 128 and fp32 up to 64 fits sm_86 / sm_89's 99 KB; D >= 192 (and fp32
-// D >= 96) need sm_80 / sm_90 shared memory.
+// for the dQ bulk reduction. The fast D = 64 / 128 rows need 160 KB (sm_80)
+// or 192 KB (sm_90); where a device has less (sm_86 / sm_89: 99 KB) the host
+// runs the general variant instead (backward.cu). Without the stage, the
+// general variant up to D = 128 and fp32 up to 64 fits 99 KB; D >= 192 (and
+// fp32 D >= 96) need sm_80 / sm_90 shared memory.
 //
-//   elem  D    BLOCK_M BLOCK_N  tiles  +sm_90 stage
-//   16b   32      64     128    56 KB   8 KB   (general variant: 64 x 64, 32 KB)
-//   16b   64      64     128    80 KB  16 KB   (general variant: 64 x 64, 48 KB)
-//   16b   96      64      64    64 KB  24 KB
-//   16b  128      64      64    80 KB  32 KB
-//   16b  192      64      64   112 KB  24 KB   (dQ in 2 column chunks)
-//   16b  256      64      64   144 KB  32 KB   (dQ in 2 column chunks)
-//   f32   32      64      64    64 KB   8 KB
-//   f32   64      64      64    96 KB  16 KB
-//   f32   96      32      64    88 KB  12 KB
-//   f32  128      32      64   112 KB  16 KB
-//   f32  192      32      32   104 KB  24 KB
-//   f32  256      32      32   136 KB  32 KB
+//   elem  D    BLOCK_M BLOCK_N stages  tiles  +sm_90 stage
+//   16b   32      64     128     1     56 KB   8 KB   (general variant: 64 x 64, 32 KB)
+//   16b   64     128     128     2    160 KB  32 KB   (general variant: 128 x 64, 80 KB)
+//   16b   96      64      64     1     64 KB  24 KB
+//   16b  128      64     128     2    160 KB  32 KB   (general variant: 64 x 64, 80 KB)
+//   16b  192      64      64     1    112 KB  24 KB   (dQ in 2 column chunks)
+//   16b  256      64      64     1    144 KB  32 KB   (dQ in 2 column chunks)
+//   f32   32      64      64     1     64 KB   8 KB
+//   f32   64      64      64     1     96 KB  16 KB
+//   f32   96      32      64     1     88 KB  12 KB
+//   f32  128      32      64     1    112 KB  16 KB
+//   f32  192      32      32     1    104 KB  24 KB
+//   f32  256      32      32     1    136 KB  32 KB
 #pragma once
 
 namespace jaxflash::gpu {
@@ -56,11 +60,12 @@ struct BwdTiles {
   int q_chunks;    // the dQ GEMM runs in this many column chunks (registers)
   int min_blocks;  // __launch_bounds__ minimum CTAs per SM
   int unroll;      // k steps of a warp GEMM unrolled together (more: more registers in flight)
+  int q_stages = 1;  // Q / dO buffers: 2 loads the next Q tile during the whole current one
 };
 
 // `general`: the variant with bias / mask / unaligned rows (see
-// bwd_kernel_traits.h), which needs registers of its own: at 16-bit D <= 64 it
-// takes BLOCK_N = 64 where the fast variant takes 128 (which would spill).
+// bwd_kernel_traits.h), which needs registers of its own: at 16-bit D = 32,
+// 64 and 128 it takes BLOCK_N = 64 where the fast variant takes 128.
 // Both variants share BLOCK_M and the dQ grid (the workspace layout).
 #if defined(__CUDACC__)
 __host__ __device__
@@ -69,9 +74,9 @@ constexpr BwdTiles bwd_tiles(int elem_bytes, int d, bool general) {
   if (elem_bytes == 2) {
     switch (d) {
       case 32: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 8, 4, 1, 1, 4};
-      case 64: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 8, 4, 1, 1, 4};
+      case 64: return general ? BwdTiles{128, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{128, 128, 8, 4, 4, 4, 1, 1, 2, 2};
       case 96: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
-      case 128: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 4};
+      case 128: return general ? BwdTiles{64, 64, 8, 4, 4, 2, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 4, 2, 1, 1, 2, 2};
       case 192: return {64, 64, 8, 4, 4, 4, 2, 1, 2};
       default: return {64, 64, 8, 4, 4, 4, 2, 1, 2};  // 256
     }
@@ -93,6 +98,7 @@ constexpr BwdTiles bwd_tiles(int elem_bytes, int d, bool general) {
 struct BwdDqGrid {
   int block_m, chunks, chunk_cols;  // the tile is chunks x (block_m x chunk_cols)
   int warps_n, rows, cols, mf, nf;  // warp (wm, wn) owns rows [wm rows, +rows) x cols [wn cols, +cols)
+  int warps;                        // each has its own dQ semaphore per Q tile
 };
 
 #if defined(__CUDACC__)
@@ -102,7 +108,18 @@ constexpr BwdDqGrid bwd_dq_grid(int elem_bytes, int d) {
   const BwdTiles t = bwd_tiles(elem_bytes, d, false);
   const int warps_n = t.warps / t.q_warps_m, rows = t.block_m / t.q_warps_m, chunk_cols = d / t.q_chunks;
   const int cols = chunk_cols / warps_n;
-  return {t.block_m, t.q_chunks, chunk_cols, warps_n, rows, cols, rows / 16, cols / 8};
+  return {t.block_m, t.q_chunks, chunk_cols, warps_n, rows, cols, rows / 16, cols / 8, t.warps};
+}
+
+// Dynamic shared memory of the main kernel: Q and dO (q_stages each), K, V,
+// P and dS, plus on sm_90 the fp32 stage of one dQ chunk for the bulk
+// reduction. The host compares it with the device's limit (backward.cu).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr int bwd_smem_bytes(const BwdTiles& t, int elem_bytes, int d, bool dq_bulk) {
+  const int tiles = (2 * t.q_stages * t.block_m + 2 * t.block_n) * d * elem_bytes + 2 * t.block_m * t.block_n * elem_bytes;
+  return tiles + (dq_bulk ? t.block_m * (d / t.q_chunks) * 4 : 0);
 }
 
 // The padded head dim a kernel instantiation is compiled for.

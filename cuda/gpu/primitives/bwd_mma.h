@@ -232,6 +232,13 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   return v;
 }
 
+// *ptr += v with release semantics at GPU scope: this thread's earlier writes
+// (and, through a preceding barrier, its CTA's) are visible to whoever
+// acquires the new value. Cheaper than a full fence (__threadfence) + atomic.
+__device__ __forceinline__ void red_release_gpu(int* ptr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+
 // sm_90 bulk (TMA) reduction of a contiguous shared-memory block into global
 // memory: dst[i] += src[i] (fp32, at L2), `bytes` a multiple of 16, both ends
 // 16-byte aligned. Issued by one thread; completion is tracked per thread
