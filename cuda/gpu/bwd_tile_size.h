@@ -19,7 +19,7 @@
 // FlashAttention-2's shapes): on an H100, D = 128 went from 128 to 183 TFLOP/s
 // (N = 4k) against 64 x 64 tiles, and D = 64 from 138 to 168 with 128 x 128;
 // unrolling 4 k steps at D = 128 gained 2% more, 1 or 4 at D = 64 lost 4-15%.
-// Both spill a few registers (about 60 words, outside the MMA loops); every
+// Both spill a few registers (about 60 words at sm_90); every
 // other row compiles without spills at 255 registers (8 warps, one CTA per
 // SM). Double-buffered Q / dO (q_stages = 2) loads the next Q tile during the
 // whole current one. The general variant (bias / mask / unaligned rows) needs
