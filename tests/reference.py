@@ -7,11 +7,18 @@ Every numerical test compares three results computed from the SAME rounded input
             precision, i.e. the best answer we can compute;
   baseline  jax.nn.dot_product_attention's XLA path in the input dtype at default precision,
             i.e. what a user gets from jax.nn today (restated in this module, because jax.nn's
-            half-precision gradients do not compile on CPU; see _xla_path_restated).
+            half-precision gradients do not compile on CPU; see _xla_path_restated). For
+            float32 on CUDA at default precision, where the kernels use tf32 tensor cores, it
+            is that path with every matmul operand rounded to tf32 (see tf32_dot_general).
 
 and accepts ours when its error is at most twice the baseline's error plus a small atol
 (FlashAttention's rule): we must be no worse than the thing we replace, without guessing a
 tolerance per dtype and shape.
+
+Only ours runs on the backend under test: the reference and the baseline always run on the CPU
+from the same rounded inputs (reference_and_baseline, on_cpu). That makes them independent of
+the platform (and of XLA's GPU algebra) and saves the GPU compiles that used to dominate the
+CUDA run.
 
 jaxflash differs from jax.nn in two documented ways that the reference applies on top of
 jax.nn (docs/CONTRACT_DRAFT.md):
@@ -26,6 +33,7 @@ explicitly and passing it as `mask`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from typing import Callable, Mapping
@@ -168,17 +176,120 @@ def visible_rows(query, key, mask=None, **masking):
 
 
 # --------------------------------------------------------------------------------------------
+# Where the reference and baseline run: always the CPU
+# --------------------------------------------------------------------------------------------
+
+def on_cpu(fn, *args, **kwargs):
+  """fn(*args, **kwargs) on the CPU: the array leaves of args/kwargs are copied there (the same
+  values, already rounded) and the CPU is the default device while fn runs, so everything it
+  creates or jits lives there too."""
+  cpu = jax.devices("cpu")[0]
+  to_cpu = lambda x: jax.device_put(x, cpu) if isinstance(x, (jax.Array, np.ndarray)) else x
+  args, kwargs = jax.tree.map(to_cpu, (args, kwargs))
+  with jax.default_device(cpu):
+    return fn(*args, **kwargs)
+
+
+def made_on_cpu(device, fn, *args, **kwargs):
+  """fn(*args, **kwargs) computed on the CPU (random inputs: the same values on every backend,
+  and no GPU compile for them), its array results then placed on `device`."""
+  return jax.device_put(on_cpu(fn, *args, **kwargs), device)
+
+
+def exact_float32(precision) -> bool:
+  """Whether jaxflash's `precision` argument asks for float32-accurate products (None: what
+  jax_default_matmul_precision says now), as the tests use it."""
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  return precision in ("highest", "float32", jax.lax.Precision.HIGHEST)
+
+
+def baseline_uses_tf32(backend: str, dtype, precision=None) -> bool:
+  """The baseline models float32 on tf32 tensor cores exactly when ours runs there: the CUDA
+  kernels at float32 without an exact `precision`."""
+  return backend == "cuda" and dtype_name(dtype) == "float32" and not exact_float32(precision)
+
+
+# --------------------------------------------------------------------------------------------
+# tf32 matmuls (for the float32 baseline on CUDA)
+# --------------------------------------------------------------------------------------------
+
+def round_to_tf32(x):
+  """float32 values rounded to tf32 (10 mantissa bits; to nearest, ties away from zero, what
+  cvt.rna.tf32 does), kept in float32. Other dtypes pass through unchanged."""
+  if x.dtype != jnp.float32:
+    return x
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _exact_dot(lhs, rhs, dimension_numbers, preferred_element_type):
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _tf32_dot(lhs, rhs, dimension_numbers, preferred_element_type):
+  return _exact_dot(round_to_tf32(lhs), round_to_tf32(rhs), dimension_numbers,
+                    preferred_element_type)
+
+
+def _tf32_dot_fwd(lhs, rhs, dimension_numbers, preferred_element_type):
+  lhs, rhs = round_to_tf32(lhs), round_to_tf32(rhs)
+  return _exact_dot(lhs, rhs, dimension_numbers, preferred_element_type), (lhs, rhs)
+
+
+def _tf32_dot_bwd(dimension_numbers, preferred_element_type, saved, cotangent):
+  # The transposed products (cotangent x the other operand) are matmuls too: their operands
+  # are rounded as well.
+  lhs, rhs = (round_to_tf32(x) for x in saved)
+  _, vjp = jax.vjp(lambda a, b: _exact_dot(a, b, dimension_numbers, preferred_element_type),
+                   lhs, rhs)
+  return vjp(round_to_tf32(cotangent))
+
+
+_tf32_dot.defvjp(_tf32_dot_fwd, _tf32_dot_bwd)
+
+
+def tf32_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                     out_sharding=None):
+  """lax.dot_general as float32 runs on tf32 tensor cores: both operands rounded to tf32, the
+  products accumulated in float32 (exactly, here); in the VJP the cotangent and the saved
+  operands are rounded before the transposed products. `precision` is ignored (that is the
+  point). Usable as jnp.einsum's `_dot_general` and as Flax's `dot_general`.
+
+  Why not run jax.nn on the GPU as the baseline instead: XLA's float32 default on GPU is tf32
+  for real GEMMs but exact for degenerate ones (contraction length 1, matrix-vector products),
+  so the bound would depend on which algebraic rewrites XLA applies to each shape."""
+  assert out_sharding is None, out_sharding
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  dimension_numbers = ((tuple(lhs_contract), tuple(rhs_contract)),
+                       (tuple(lhs_batch), tuple(rhs_batch)))
+  if preferred_element_type is not None:
+    preferred_element_type = jnp.dtype(preferred_element_type)
+  return _tf32_dot(lhs, rhs, dimension_numbers, preferred_element_type)
+
+
+def _einsum(spec, a, b, *, tf32=False, **kwargs):
+  """jnp.einsum, with tf32 operand rounding (tf32_dot_general) when `tf32`."""
+  if tf32:
+    kwargs["_dot_general"] = tf32_dot_general
+  return jnp.einsum(spec, a, b, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
 # Reference and baseline
 # --------------------------------------------------------------------------------------------
 
-def _logits(q4, k4, bias4, scale, precision):
+def _logits(q4, k4, bias4, scale, precision, tf32=False):
   """float32 (B, N, T, S) logits = scale * q.k + bias, with head n reading kv head n // G as in
   jax.nn (N is split as (K, G))."""
   B, T, N, H = q4.shape
   S, K = k4.shape[1], k4.shape[2]
   grouped = jnp.reshape(q4, (B, T, K, N // K, H))
-  logits = jnp.einsum("btkgh,bskh->bkgts", grouped, k4, precision=precision,
-                      preferred_element_type=jnp.float32)
+  logits = _einsum("btkgh,bskh->bkgts", grouped, k4, tf32=tf32, precision=precision,
+                   preferred_element_type=jnp.float32)
   logits = jnp.reshape(logits, (B, N, T, S)) * jnp.float32(scale)
   if bias4 is not None:
     logits = logits + bias4.astype(jnp.float32)
@@ -196,10 +307,11 @@ def _masked_logsumexp(logits, visible):
   return jnp.where(row_visible, lse, -jnp.inf)
 
 
-def _xla_path_restated(q4, k4, v4, bias4, visible, scale):
+def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False):
   """jax.nn's XLA path (_dot_product_attention_core) restated for the input dtype: float32
   logits from input-dtype operands, masked with jax.nn's large negative, float32 softmax, P cast
-  to the value dtype, PV in the value dtype.
+  to the value dtype, PV in the value dtype. With `tf32`, both matmuls (and their transposes in
+  the VJP) round their operands to tf32 (tf32_dot_general).
 
   The baseline cannot call jax.nn itself for float16/bfloat16: jax.nn pins the dot algorithms
   F16_F16_F32 / BF16_BF16_F32, which XLA:CPU rejects when the VJP is compiled ("The precision
@@ -208,24 +320,26 @@ def _xla_path_restated(q4, k4, v4, bias4, visible, scale):
   equals jax.nn where both run."""
   B, T, N, H = q4.shape
   S, K = k4.shape[1], k4.shape[2]
-  logits = _logits(q4, k4, bias4, scale, None)
+  logits = _logits(q4, k4, bias4, scale, None, tf32)
   large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
   probs = jax.nn.softmax(jnp.where(visible, logits, large_negative), axis=-1).astype(v4.dtype)
   probs = jnp.reshape(probs, (B, K, N // K, T, S))
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v4)
+  out = _einsum("bkgts,bskh->btkgh", probs, v4, tf32=tf32)
   return jnp.reshape(out, (B, T, N, H))
 
 
 def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                return_residual=False, mask_alignment="top_left", compute_dtype=None,
-               precision=None, use_jax_nn=True):
+               precision=None, use_jax_nn=True, tf32=False):
   """jax.nn.dot_product_attention's semantics with jaxflash's conventions (module docstring).
 
   compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
   precision: a jax.default_matmul_precision name, or None for the default.
   use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated.
+  tf32: round every matmul operand to tf32 (only with use_jax_nn=False).
   """
+  assert not (tf32 and use_jax_nn), "tf32 applies to the restated path"
   in_dtype = query.dtype
   if compute_dtype is not None:
     query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
@@ -243,7 +357,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                        else contextlib.nullcontext())
   with precision_context:
     if not use_jax_nn:
-      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale)
+      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32)
     else:
       if mask_alignment == "bottom_right":
         # jax.nn only knows top-left diagonals: hand it the complete visibility as a mask.
@@ -261,7 +375,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
     if not return_residual:
       return out
     lax_precision = jax.lax.Precision.HIGHEST if precision == "highest" else None
-    lse = _masked_logsumexp(_logits(q4, k4, bias4, scale, lax_precision), visible)
+    lse = _masked_logsumexp(_logits(q4, k4, bias4, scale, lax_precision, tf32), visible)
     # jaxflash returns the lse in the query dtype; the reference keeps float32 (its best
     # answer), the baseline rounds to the input dtype like jax.nn does.
     lse = jnp.transpose(lse, (0, 2, 1))
@@ -280,10 +394,11 @@ def reference_attention(query, key, value, bias=None, mask=None, **kwargs):
                     precision="highest", **kwargs)
 
 
-def baseline_attention(query, key, value, bias=None, mask=None, **kwargs):
+def baseline_attention(query, key, value, bias=None, mask=None, *, tf32=False, **kwargs):
   """What a user gets from jax.nn today: its XLA path in the input dtype at default precision
-  (restated, see _xla_path_restated), with jaxflash's conventions (zero rows, lse)."""
-  return _attention(query, key, value, bias, mask, use_jax_nn=False, **kwargs)
+  (restated, see _xla_path_restated), with jaxflash's conventions (zero rows, lse). `tf32`:
+  float32 as on a tf32 GPU (every matmul operand rounded to tf32)."""
+  return _attention(query, key, value, bias, mask, use_jax_nn=False, tf32=tf32, **kwargs)
 
 
 def restated_reference_attention(query, key, value, bias=None, mask=None, **kwargs):
@@ -318,6 +433,27 @@ def forward_and_grads(attention_fn: Callable, inputs: Mapping[str, jax.Array | N
 
   outputs, grads = run(differentiable, fixed, cotangent)
   return outputs, {GRAD_NAMES[n]: g for n, g in grads.items()}
+
+
+def reference_and_baseline(inputs: Mapping[str, jax.Array | None], cotangent, *, backend: str,
+                           **static_kwargs):
+  """The reference's and the baseline's (outputs, grads) for jaxflash.attention(**inputs,
+  **static_kwargs) tested on `backend` (forward_and_grads' results), both computed on the CPU
+  from the same values. `static_kwargs` are jaxflash.attention's; its `precision` chooses the
+  baseline: tf32 matmuls where the CUDA kernels use tf32 (baseline_uses_tf32), else the plain
+  input-dtype one (at float32 on the CPU: exact)."""
+  static_kwargs = dict(static_kwargs)
+  precision = static_kwargs.pop("precision", None)
+  tf32 = baseline_uses_tf32(backend, inputs["query"].dtype, precision)
+
+  def run(inputs, cotangent):
+    ref = forward_and_grads(reference_attention, upcast_floats(inputs), cotangent,
+                            **static_kwargs)
+    base = forward_and_grads(functools.partial(baseline_attention, tf32=tf32), inputs,
+                             cotangent, **static_kwargs)
+    return ref, base
+
+  return on_cpu(run, inputs, cotangent)
 
 
 # --------------------------------------------------------------------------------------------

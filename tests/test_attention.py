@@ -56,6 +56,7 @@ class Case:
   input_scale: float = 1.0  # q and k are multiplied by it (large logits)
   bias_neg_inf: bool = False  # ~10% of the bias entries (never key 0) are -inf
   lengths_out_of_range: bool = False  # lengths above T/S and negative (jax.nn clamps)
+  precision: str | None = None  # jaxflash's argument (float32: "highest" = exact products)
 
   def axis_sizes(self):
     return dict(B=self.batch, N=self.num_heads, T=self.q_len, S=self.kv_len)
@@ -91,6 +92,8 @@ class Case:
                   scale=self.scale, return_residual=self.return_residual)
     if self.alignment != "top_left":  # keep the jax.nn-compatible call when possible
       kwargs["mask_alignment"] = self.alignment
+    if self.precision is not None:
+      kwargs["precision"] = self.precision
     return kwargs
 
 
@@ -148,6 +151,16 @@ SHAPE_FEATURES = {
     "lengths_out_of_range": dict(batch=3, q_lengths=True, kv_lengths=True,
                                  lengths_out_of_range=True),
 }
+# float32 with precision="highest": the CUDA kernels' exact (3xTF32) products, compared with the
+# exact float32 baseline (on CPU they check that the argument is accepted and changes nothing).
+SEQLENS_HIGHEST = ((113, 203),)
+HIGHEST_FEATURES = {
+    "highest_causal": dict(is_causal=True),
+    "highest_bias_BNTS": dict(bias="BNTS"),  # with dbias
+    "highest_gqa_4_2": dict(num_heads=4, num_kv_heads=2, q_len=128, kv_len=217),
+    "highest_lengths": dict(batch=3, q_lengths=True, kv_lengths=True, return_residual=True),
+    "highest_h59": dict(head_dim=59, q_len=255, kv_len=256),
+}
 # Zero-size sequence axes (the kernels see null data pointers).
 SEQLENS_EMPTY = ((0, 5), (5, 0), (0, 0))
 EMPTY_FEATURES = {
@@ -157,7 +170,8 @@ EMPTY_FEATURES = {
 
 
 def _case_id(name, case):
-  return f"{name}-T{case.q_len}-S{case.kv_len}-{case.dtype}-h{case.head_dim}"
+  precision = "" if case.precision is None else f"-{case.precision}"
+  return f"{name}-T{case.q_len}-S{case.kv_len}-{case.dtype}{precision}-h{case.head_dim}"
 
 
 def _feature_cases():
@@ -177,7 +191,16 @@ def _feature_cases():
                     head_dim=HEAD_DIMS[(i + j) % len(HEAD_DIMS)], **overrides)
         params.append(pytest.param(case, id=_case_id(name, case)))
       i += 1
+  for name, overrides in HIGHEST_FEATURES.items():
+    for T, S in SEQLENS_HIGHEST:
+      fields = dict(dict(q_len=T, kv_len=S, head_dim=64), **overrides)
+      case = Case(dtype="float32", precision="highest", **fields)
+      params.append(pytest.param(case, id=_case_id(name, case)))
   return params
+
+
+# The rows of the kernel grid: each dtype, and float32 with exact products (its own kernels).
+KERNEL_ROWS = tuple((dtype, None) for dtype in DTYPES) + (("float32", "highest"),)
 
 
 def _dtype_head_dim_cases():
@@ -185,11 +208,12 @@ def _dtype_head_dim_cases():
   one with a bias, a mask and causal masking so that the tile-skipping and masking paths run
   in every instantiation family too."""
   params = []
-  for i, dtype in enumerate(DTYPES):
+  for i, (dtype, precision) in enumerate(KERNEL_ROWS):
     for j, head_dim in enumerate(HEAD_DIMS):
       name, overrides = (("plain", {}) if (i + j) % 2 == 0 else
                          ("bias_mask_causal", dict(bias="1NTS", mask="B1TS", is_causal=True)))
-      case = Case(dtype=dtype, head_dim=head_dim, q_len=128, kv_len=217, **overrides)
+      case = Case(dtype=dtype, head_dim=head_dim, q_len=128, kv_len=217, precision=precision,
+                  **overrides)
       params.append(pytest.param(case, id="kernel-" + _case_id(name, case)))
   return params
 
@@ -228,14 +252,13 @@ ALL_CASES = _feature_cases() + _dtype_head_dim_cases()
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_attention_matches_reference(case: Case, backend, device):
-  inputs, cotangent = jax.device_put(make_inputs(case, jax.random.key(0)), device)
+  # Inputs, reference and baseline are made on the CPU; only ours runs on `backend`.
+  inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
   static = case.static_kwargs()
 
   ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
-  ref, ref_grads = reference.forward_and_grads(
-      reference.reference_attention, reference.upcast_floats(inputs), cotangent, **static)
-  base, base_grads = reference.forward_and_grads(reference.baseline_attention, inputs, cotangent,
-                                                 **static)
+  (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
+      inputs, cotangent, backend=backend, **static)
 
   query = inputs["query"]
   if case.return_residual:
@@ -264,8 +287,8 @@ def test_attention_matches_reference(case: Case, backend, device):
                  floor=floor)
 
   # Rows with no visible key: exactly 0 (not merely small, never NaN), and so is their dq.
-  rows = reference.visible_rows(
-      query, inputs["key"], inputs["mask"], is_causal=case.is_causal,
+  rows = reference.on_cpu(
+      reference.visible_rows, query, inputs["key"], inputs["mask"], is_causal=case.is_causal,
       local_window_size=case.window, query_seq_lengths=inputs["query_seq_lengths"],
       key_value_seq_lengths=inputs["key_value_seq_lengths"], mask_alignment=case.alignment)
   assert_rows_zero(ours_out, rows, "out")
@@ -284,17 +307,50 @@ def test_reference_is_jax_nn(feature):
   to jax.nn's masking, and the baseline to jax.nn's algorithm."""
   case = Case(dtype="float32", q_len=45, kv_len=30,
               **{**POSITIONAL_FEATURES[feature], "num_heads": 4, "num_kv_heads": 2})
-  inputs, cotangent = make_inputs(case, jax.random.key(1))
   static = case.static_kwargs()
-  jax_nn, jax_nn_grads = reference.forward_and_grads(reference.reference_attention, inputs,
-                                                     cotangent, **static)
-  restated, restated_grads = reference.forward_and_grads(reference.restated_reference_attention,
-                                                         inputs, cotangent, **static)
+
+  def both():  # on the CPU, where the reference and baseline always run
+    inputs, cotangent = make_inputs(case, jax.random.key(1))
+    return (reference.forward_and_grads(reference.reference_attention, inputs, cotangent,
+                                        **static),
+            reference.forward_and_grads(reference.restated_reference_attention, inputs,
+                                        cotangent, **static))
+
+  (jax_nn, jax_nn_grads), (restated, restated_grads) = reference.on_cpu(both)
   for name, a, b in zip(("out", "lse"), jax.tree.leaves(restated), jax.tree.leaves(jax_nn)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
   for name in jax_nn_grads:
     np.testing.assert_allclose(np.asarray(restated_grads[name]), np.asarray(jax_nn_grads[name]),
                                rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_tf32_baseline_rounds_every_matmul_operand():
+  """The test's own machinery: round_to_tf32 rounds to 10 mantissa bits, to nearest with ties
+  away from zero; tf32_dot_general rounds both operands, and in its VJP the cotangent and the
+  saved operands, then multiplies exactly. (On the CPU, where the baseline runs.)"""
+  with jax.default_device(jax.devices("cpu")[0]):
+    _check_tf32_rounding()
+
+
+def _check_tf32_rounding():
+  one = 1.0
+  values = np.array([one, one + 2**-11, one + 3 * 2**-11, one + 2**-12, -(one + 2**-11),
+                     np.inf, -np.inf], np.float32)
+  expected = np.array([one, one + 2**-10, one + 2**-9, one, -(one + 2**-10), np.inf, -np.inf],
+                      np.float32)
+  np.testing.assert_array_equal(np.asarray(reference.round_to_tf32(jnp.asarray(values))),
+                                expected)
+
+  a, b, g = (jax.random.normal(jax.random.key(i), shape, jnp.float32)
+             for i, shape in enumerate(((5, 7), (7, 3), (5, 3))))
+  matmul = lambda a, b: jnp.einsum("ij,jk->ik", a, b, _dot_general=reference.tf32_dot_general)
+  out, vjp = jax.vjp(matmul, a, b)
+  da, db = vjp(g)
+  ra, rb, rg = (np.asarray(reference.round_to_tf32(x), np.float64) for x in (a, b, g))
+  np.testing.assert_allclose(np.asarray(out), ra @ rb, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(da), rg @ rb.T, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(db), ra.T @ rg, rtol=1e-6, atol=1e-6)
+  assert np.abs(np.asarray(out) - np.asarray(a) @ np.asarray(b)).max() > 1e-5  # it did round
 
 
 # (dtype, precision argument, jax.default_matmul_precision context, EXACT_F32 expected)

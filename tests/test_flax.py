@@ -4,7 +4,12 @@ the inputs) match the modules' default attention_fn.
 
 Same rule as test_attention: ours = the module with jaxflash in `dtype`; baseline = the module
 with its default attention_fn in `dtype`; reference = the default module computing in float32
-at "highest" precision on the same rounded inputs and parameters.
+at "highest" precision on the same rounded inputs and parameters. The parameters and inputs are
+made once on the CPU; the reference and the baseline run there too (reference.on_cpu), only
+ours runs on the backend under test. Where ours is float32 on tf32 tensor cores (CUDA at default
+precision: jaxflash's kernels and XLA's projections alike), the baseline is the module with
+every matmul rounded to tf32: tf32_dot_general for its projections and jax.nn's XLA path with
+tf32 matmuls (reference.baseline_attention) as its attention_fn.
 """
 
 from __future__ import annotations
@@ -38,38 +43,55 @@ def _causal_mask(api, dtype):
   return api.make_causal_mask(jnp.ones((BATCH, LENGTH)), dtype=dtype)  # (B, 1, T, T)
 
 
-# Each: the module's call arguments besides the input (mask from the module API's own helper).
+# Each: the module's mask (from the module API's own helper), or None.
 MASKINGS = {
-    "no_mask": lambda api: {},
-    "causal_mask_float": lambda api: dict(mask=_causal_mask(api, jnp.float32)),
-    "causal_mask_bool": lambda api: dict(mask=_causal_mask(api, jnp.bool_)),
+    "no_mask": lambda api: None,
+    "causal_mask_float": lambda api: _causal_mask(api, jnp.float32),
+    "causal_mask_bool": lambda api: _causal_mask(api, jnp.bool_),
 }
 
 
-def _nnx_runner(attention_fn, dtype, call_kwargs):
-  """(params, apply(params, x)) for nnx.MultiHeadAttention; the same seed gives every variant
-  the same float32 parameters."""
+def tf32_attention_fn(query, key, value, bias=None, mask=None, *, dropout_rate=0.0,
+                      deterministic=True, is_causal=False, **unused):
+  """The default attention (jax.nn's XLA path) with tf32 matmuls, in Flax's attention_fn
+  convention (the baseline for float32 on tf32 GPUs)."""
+  assert dropout_rate == 0.0 or deterministic
+  if mask is not None:
+    mask = mask.astype(jnp.bool_)
+  return reference.baseline_attention(query, key, value, bias, mask, is_causal=is_causal,
+                                      tf32=True)
+
+
+# Runners: (attention_fn, dtype, static call arguments, projections' dot_general or None) ->
+# (params, apply(params, x, mask)). The same seed gives every variant the same float32
+# parameters; the mask is an argument of apply, so the module can be built on the CPU and run
+# elsewhere.
+
+def _nnx_runner(attention_fn, dtype, static_kwargs, dot_general=None):
   model = nnx.MultiHeadAttention(num_heads=NUM_HEADS, in_features=FEATURES,
                                  qkv_features=QKV_FEATURES, dtype=dtype, decode=False,
-                                 attention_fn=attention_fn, rngs=nnx.Rngs(0))
+                                 attention_fn=attention_fn, qkv_dot_general=dot_general,
+                                 out_dot_general=dot_general, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
 
-  def apply(params, x):
-    return nnx.merge(graphdef, params)(x, decode=False, **call_kwargs)
+  def apply(params, x, mask):
+    return nnx.merge(graphdef, params)(x, mask=mask, decode=False, **static_kwargs)
 
   return params, apply
 
 
-def _linen_runner(attention_fn, dtype, call_kwargs):
+def _linen_runner(attention_fn, dtype, static_kwargs, dot_general=None):
   module = linen.MultiHeadDotProductAttention(num_heads=NUM_HEADS, qkv_features=QKV_FEATURES,
                                               dtype=dtype, decode=False,
-                                              attention_fn=attention_fn)
+                                              attention_fn=attention_fn,
+                                              qkv_dot_general=dot_general,
+                                              out_dot_general=dot_general)
   # Initialise with the default attention so that every variant gets identical parameters.
   params = module.clone(attention_fn=linen.dot_product_attention).init(
-      jax.random.key(0), jnp.zeros((BATCH, LENGTH, FEATURES)), **call_kwargs)
+      jax.random.key(0), jnp.zeros((BATCH, LENGTH, FEATURES)), **static_kwargs)
 
-  def apply(params, x):
-    return module.apply(params, x, deterministic=True, **call_kwargs)
+  def apply(params, x, mask):
+    return module.apply(params, x, mask=mask, deterministic=True, **static_kwargs)
 
   return params, apply
 
@@ -78,19 +100,19 @@ RUNNERS = {"nnx": (nnx, _nnx_runner, nnx.dot_product_attention),
            "linen": (linen, _linen_runner, linen.dot_product_attention)}
 
 
-def _forward_and_grads(runner, attention_fn, dtype, call_kwargs, x, cotangent, precision=None):
-  params, apply = runner(attention_fn, dtype, call_kwargs)
+def _forward_and_grads(apply, params, x, mask, cotangent, precision=None):
+  """The module's output and its VJP with `cotangent`: (out, d_params, dx)."""
 
   @jax.jit
-  def run(params, x):
-    out, vjp = jax.vjp(apply, params, x)
+  def run(params, x, mask, cotangent):
+    out, vjp = jax.vjp(lambda params, x: apply(params, x, mask), params, x)
     d_params, dx = vjp(cotangent)
     return out, d_params, dx
 
   if precision is None:
-    return params, run(params, x)
+    return run(params, x, mask, cotangent)
   with jax.default_matmul_precision(precision):
-    return params, run(params, x)
+    return run(params, x, mask, cotangent)
 
 
 CASES = [(api, masking, dtype)
@@ -102,19 +124,30 @@ CASES += [("nnx", "is_causal", dtype) for dtype in ("float32", "bfloat16")]  # n
                          ids=[f"{a}-{m}-{d}" for a, m, d in CASES])
 def test_flax_module_with_jaxflash_matches_default(api, masking, dtype, backend, device):
   flax_api, runner, default_fn = RUNNERS[api]
-  call_kwargs = dict(is_causal=True) if masking == "is_causal" else MASKINGS[masking](flax_api)
-  inputs = reference.random_inputs(jax.random.key(1), dict(x=(BATCH, LENGTH, FEATURES),
-                                                           ct=(BATCH, LENGTH, FEATURES)), dtype)
-  x, cotangent = jax.device_put((inputs["x"], inputs["ct"]), device)
+  static = dict(is_causal=True) if masking == "is_causal" else {}
+  # Inputs, mask and parameters are made on the CPU; only ours runs on `device`.
+  x, cotangent, mask = reference.made_on_cpu(device, lambda: (
+      *reference.random_inputs(jax.random.key(1), dict(x=(BATCH, LENGTH, FEATURES),
+                                                       ct=(BATCH, LENGTH, FEATURES)),
+                               dtype).values(),
+      None if masking == "is_causal" else MASKINGS[masking](flax_api)))
 
-  params, ours = _forward_and_grads(runner, jaxflash_attention_fn, dtype, call_kwargs, x,
-                                    cotangent)
-  ref_params, ref = _forward_and_grads(runner, default_fn, jnp.float32, call_kwargs,
-                                       x.astype(jnp.float32), cotangent.astype(jnp.float32),
-                                       precision="highest")
-  _, base = _forward_and_grads(runner, default_fn, dtype, call_kwargs, x, cotangent)
-  for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
-    reference.assert_bitwise_equal(p, r, "the variants must share parameters")
+  params, ours_apply = reference.on_cpu(runner, jaxflash_attention_fn, dtype, static)
+  ours = _forward_and_grads(ours_apply, jax.device_put(params, device), x, mask, cotangent)
+
+  tf32 = reference.baseline_uses_tf32(backend, dtype)
+
+  def reference_and_baseline(x, mask, cotangent):
+    ref_params, ref_apply = runner(default_fn, jnp.float32, static)
+    for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+      reference.assert_bitwise_equal(p, r, "the variants must share parameters")
+    ref = _forward_and_grads(ref_apply, ref_params, x.astype(jnp.float32), mask,
+                             cotangent.astype(jnp.float32), precision="highest")
+    _, base_apply = (runner(tf32_attention_fn, dtype, static, reference.tf32_dot_general)
+                     if tf32 else runner(default_fn, dtype, static))
+    return ref, _forward_and_grads(base_apply, ref_params, x, mask, cotangent)
+
+  ref, base = reference.on_cpu(reference_and_baseline, x, mask, cotangent)
 
   (ours_out, ours_dparams, ours_dx), (ref_out, ref_dparams, ref_dx), (base_out, base_dparams,
                                                                       base_dx) = ours, ref, base

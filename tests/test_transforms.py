@@ -74,18 +74,20 @@ class VmapCase:
       fn = vmap(fn, in_axes=in_axes, out_axes=out_axes)
     return fn
 
-  def inputs(self, key, dtype):
-    arrays = []
-    for i, (name, shape) in enumerate(self.operands.items()):
-      k = jax.random.fold_in(key, i)
-      if name == "mask":
-        arrays.append(reference.random_mask(k, shape))
-      elif name.endswith("seq_lengths"):
-        limit = T if name == "query_seq_lengths" else S
-        arrays.append(jax.random.randint(k, shape, 0, limit + 1, jnp.int32))
-      else:
-        arrays.append(reference.random_inputs(k, {name: shape}, dtype)[name])
-    return arrays
+  def inputs(self, seed: int, dtype):
+    def arrays():
+      key, arrays = jax.random.key(seed), []
+      for i, (name, shape) in enumerate(self.operands.items()):
+        k = jax.random.fold_in(key, i)
+        if name == "mask":
+          arrays.append(reference.random_mask(k, shape))
+        elif name.endswith("seq_lengths"):
+          limit = T if name == "query_seq_lengths" else S
+          arrays.append(jax.random.randint(k, shape, 0, limit + 1, jnp.int32))
+        else:
+          arrays.append(reference.random_inputs(k, {name: shape}, dtype)[name])
+      return arrays
+    return made_for_test(arrays)
 
   @property
   def differentiable(self):
@@ -186,16 +188,31 @@ def weighted_sum_loss(fn, cotangent):
   return loss
 
 
-def random_cotangent(fn, operands, key):
+def made_for_test(fn, *args):
+  """fn(*args) (random inputs) made on the CPU, so that they are the same on every backend and
+  cost no GPU compile, then placed on the device the test runs on (the backend fixture's
+  default device)."""
+  device = jax.config.jax_default_device or jax.devices()[0]
+  return reference.made_on_cpu(device, fn, *args)
+
+
+def random_cotangent(fn, operands, seed: int):
   shapes = jax.eval_shape(fn, *operands)
   leaves, tree = jax.tree.flatten(shapes)
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype)
-                                   for k, s in zip(keys, leaves)])
+
+  def cotangent():
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype)
+                                     for k, s in zip(keys, leaves)])
+  return made_for_test(cotangent)
 
 
-def small_inputs(key, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H)):
-  return reference.random_inputs(key, dict(query=q_shape, key=kv_shape, value=kv_shape), dtype)
+def random_inputs(seed: int, shapes, dtype):
+  return made_for_test(lambda: reference.random_inputs(jax.random.key(seed), shapes, dtype))
+
+
+def small_inputs(seed: int, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H)):
+  return random_inputs(seed, dict(query=q_shape, key=kv_shape, value=kv_shape), dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,7 +223,7 @@ def small_inputs(key, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H)):
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_vmap_matches_loop(name, dtype, backend):
   case = VMAP_CASES[name]
-  operands = case.inputs(jax.random.key(1), dtype)
+  operands = case.inputs(1, dtype)
   batched = jax.jit(case.build(jax.vmap))(*operands)
   looped = case.build(loop_vmap)(*operands)
   for i, (b, l) in enumerate(zip(jax.tree.leaves(batched), jax.tree.leaves(looped))):
@@ -216,7 +233,7 @@ def test_vmap_matches_loop(name, dtype, backend):
 
 def test_vmap_over_heads_equals_multi_head_call(backend):
   """Vmapping the single-head call over heads and batch is the 4-D multi-head call."""
-  inputs = small_inputs(jax.random.key(2), "float32", kv_shape=(B, S, N, H))
+  inputs = small_inputs(2, "float32", kv_shape=(B, S, N, H))
   case = VMAP_CASES["heads_then_batch"]
   batched = jax.jit(case.build(jax.vmap))(inputs["query"], inputs["key"], inputs["value"])
   direct = jaxflash.attention(inputs["query"], inputs["key"], inputs["value"])
@@ -227,9 +244,9 @@ def test_vmap_over_heads_equals_multi_head_call(backend):
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_grad_of_vmap_matches_loop(name, dtype, backend):
   case = VMAP_CASES[name]
-  operands = case.inputs(jax.random.key(3), dtype)
+  operands = case.inputs(3, dtype)
   batched_fn, looped_fn = case.build(jax.vmap), case.build(loop_vmap)
-  cotangent = random_cotangent(batched_fn, operands, jax.random.key(4))
+  cotangent = random_cotangent(batched_fn, operands, 4)
   argnums = case.differentiable
   batched = jax.jit(jax.grad(weighted_sum_loss(batched_fn, cotangent), argnums))(*operands)
   looped = jax.grad(weighted_sum_loss(looped_fn, cotangent), argnums)(*operands)
@@ -243,7 +260,7 @@ def test_grad_of_vmap_matches_loop(name, dtype, backend):
 @pytest.mark.parametrize("name", FULLY_BATCHED)
 def test_vmap_of_grad_matches_loop(name, dtype, backend):
   case = VMAP_CASES[name]
-  operands = case.inputs(jax.random.key(5), dtype)
+  operands = case.inputs(5, dtype)
   item_fn = attention_of(tuple(case.operands), **case.static)
   argnums = case.differentiable
 
@@ -252,7 +269,7 @@ def test_vmap_of_grad_matches_loop(name, dtype, backend):
     *item_operands, cotangent = operands_and_cotangent
     return jax.grad(weighted_sum_loss(item_fn, cotangent), argnums)(*item_operands)
 
-  cotangent = random_cotangent(case.build(jax.vmap), operands, jax.random.key(6))
+  cotangent = random_cotangent(case.build(jax.vmap), operands, 6)
   batched_fn, looped_fn = item_grads, item_grads
   for in_axes, out_axes in case.layers:
     in_axes = (in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(operands))
@@ -274,7 +291,7 @@ def test_vmap_of_grad_matches_loop(name, dtype, backend):
 @pytest.mark.parametrize("name", HLO_FORWARD)
 def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
   case = VMAP_CASES[name]
-  operands = case.inputs(jax.random.key(7), "bfloat16")
+  operands = case.inputs(7, "bfloat16")
   hlo = reference.compiled_hlo(case.build(jax.vmap), *operands)
   targets = reference.custom_call_targets(hlo)
   assert reference.count_custom_calls(hlo, "jaxflash_fwd") == 1, (
@@ -288,9 +305,9 @@ def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
 @pytest.mark.parametrize("name", HLO_GRAD)
 def test_vmapped_grad_compiles_to_one_forward_and_one_backward_kernel(name, backend):
   case = VMAP_CASES[name]
-  operands = case.inputs(jax.random.key(8), "bfloat16")
+  operands = case.inputs(8, "bfloat16")
   fn = case.build(jax.vmap)
-  cotangent = random_cotangent(fn, operands, jax.random.key(9))
+  cotangent = random_cotangent(fn, operands, 9)
   grad_fn = jax.grad(weighted_sum_loss(fn, cotangent), case.differentiable)
   hlo = reference.compiled_hlo(grad_fn, *operands)
   targets = reference.custom_call_targets(hlo)
@@ -311,7 +328,7 @@ MASKING_OPTIONS = {
 
 @pytest.mark.parametrize("options", list(MASKING_OPTIONS))
 def test_jit_equals_eager(options, backend):
-  inputs = small_inputs(jax.random.key(10), "float16")
+  inputs = small_inputs(10, "float16")
   static = MASKING_OPTIONS[options]
   eager = jaxflash.attention(**inputs, **static)
   jitted = jax.jit(functools.partial(jaxflash.attention, **static))(**inputs)
@@ -343,10 +360,10 @@ def test_eval_shape(q_shape, kv_shape, return_residual, backend):
 
 @pytest.mark.parametrize("options", list(MASKING_OPTIONS))
 def test_checkpoint_grad_equals_grad(options, backend):
-  inputs = small_inputs(jax.random.key(11), "float32")
+  inputs = small_inputs(11, "float32")
   fn = functools.partial(jaxflash.attention, **MASKING_OPTIONS[options])
   operands = (inputs["query"], inputs["key"], inputs["value"])
-  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, jax.random.key(12)))
+  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, 12))
   plain = jax.jit(jax.grad(loss, (0, 1, 2)))(*operands)
   for policy in (None, jax.checkpoint_policies.nothing_saveable):
     remat = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), (0, 1, 2)))(*operands)
@@ -359,13 +376,11 @@ def test_deterministic(backend):
   head and a long key axis: the backward accumulates dK/dV across the group and across query
   tiles, where parallel reductions would reorder sums."""
   shape_q, shape_kv = (2, 256, 8, 64), (2, 320, 2, 64)
-  inputs = reference.random_inputs(jax.random.key(13), dict(query=shape_q, key=shape_kv,
-                                                            value=shape_kv), jnp.bfloat16)
-  bias = reference.random_inputs(jax.random.key(14), dict(bias=(1, 8, 256, 320)),
-                                 jnp.bfloat16)["bias"]
+  inputs = random_inputs(13, dict(query=shape_q, key=shape_kv, value=shape_kv), jnp.bfloat16)
+  bias = random_inputs(14, dict(bias=(1, 8, 256, 320)), jnp.bfloat16)["bias"]
   fn = functools.partial(jaxflash.attention, bias=bias, is_causal=True, return_residual=True)
   operands = (inputs["query"], inputs["key"], inputs["value"])
-  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, jax.random.key(15)))
+  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, 15))
   run = jax.jit(lambda *ops: (fn(*ops), jax.grad(loss, (0, 1, 2))(*ops)))
   first = jax.tree.leaves(run(*operands))
   for repeat in range(3):
@@ -377,11 +392,11 @@ def test_deterministic(backend):
 def test_grad_without_dbias_equals_grad_with_dbias(backend):
   """A bias that is present but not differentiated (the backward skips dbias) changes nothing
   in dq, dk, dv."""
-  inputs = small_inputs(jax.random.key(17), "float32")
-  bias = reference.random_inputs(jax.random.key(18), dict(bias=(B, N, T, S)), jnp.float32)["bias"]
+  inputs = small_inputs(17, "float32")
+  bias = random_inputs(18, dict(bias=(B, N, T, S)), jnp.float32)["bias"]
   operands = (inputs["query"], inputs["key"], inputs["value"], bias)
   fn = functools.partial(jaxflash.attention, is_causal=True)
-  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, jax.random.key(19)))
+  loss = weighted_sum_loss(fn, random_cotangent(fn, operands, 19))
   with_dbias = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*operands)
   without_dbias = jax.jit(jax.grad(loss, (0, 1, 2)))(*operands)
   for name, a, b in zip(("dq", "dk", "dv"), without_dbias, with_dbias):
@@ -393,7 +408,7 @@ def test_grad_without_dbias_equals_grad_with_dbias(backend):
 # --------------------------------------------------------------------------------------------
 
 def _single_head_operands():
-  inputs = small_inputs(jax.random.key(16), "float32", q_shape=(T, H), kv_shape=(S, H))
+  inputs = small_inputs(16, "float32", q_shape=(T, H), kv_shape=(S, H))
   return inputs["query"], inputs["key"], inputs["value"]
 
 
