@@ -16,6 +16,12 @@ import sys
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
+# On the GPU machine, autotuning the few GPU GEMMs left per test (the reference and baseline run
+# on the CPU, see reference.py) costs seconds per compile, and no test depends on which GEMM
+# algorithm XLA picks.
+if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_autotune_level=0").strip()
 
 # pytest-xdist workers share one GPU: JAX's default of preallocating 75% of its memory per
 # process would make every worker after the first fail to start the CUDA backend.
