@@ -142,10 +142,12 @@ def main(argv=None) -> int:
   print(title, flush=True)
   lines = table(args.tokens, args.seqlens, args.head_dims,
                 [jnp.dtype(d) for d in args.dtypes.split(",")], args.repeats)
-  longest = longest_sequence(args.longest_from, args.longest_limit) if args.longest_from else {}
-  if args.out:
+  if args.out:  # the table first: a run cut short during the search still leaves it
     with open(args.out, "w") as f:
       f.write(f"{title}\n\n" + "\n".join(lines) + "\n")
+  longest = longest_sequence(args.longest_from, args.longest_limit) if args.longest_from else {}
+  if args.out:
+    with open(args.out, "a") as f:
       for name, n in longest.items():
         f.write(f"\nlongest causal fwd+bwd sequence (16 heads x 128, bf16), {name}: {n}\n")
   return 0

@@ -1,41 +1,50 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build and install jaxflash, run the native CUDA
-# self-tests, the pytest suite (CPU and GPU backends) and the benchmark; print
-# a short table last. Logs go to $OUT (the device tool brings them back).
+# The GPU check: build and install jaxflash, then run the native CUDA
+# self-tests, the GPU test suite, compute-sanitizer and the benchmark; print a
+# short table last. Logs go to $OUT (the device tool brings them back).
 #
-#   scripts/gpu_check.sh [quick|full]     (default: full)
-# quick: no native self-tests (they rebuild every kernel serially), only the
-# CUDA-backend tests, a short table. Builds for sm_90a only (H100/H200); CI
-# compiles the default architectures.
+#   scripts/gpu_check.sh tests   build, native self-tests, the GPU test suite
+#   scripts/gpu_check.sh bench   build, compute-sanitizer, benchmark, `python -m jaxflash`
+#   scripts/gpu_check.sh full    all of it (about 15 minutes on an H100)
+#   scripts/gpu_check.sh quick   build and the GPU test suite only
+#
+# The halves fit the device tool's 10-minute calls. Builds for sm_90a only
+# (H100/H200); CI compiles the default architectures. The CPU backend's tests
+# run in CI (.ci/run), so here pytest selects the CUDA ones (-k cuda).
 set -uo pipefail
 MODE=${1:-full}
+case "$MODE" in tests|bench|full|quick) ;; *) echo "usage: $0 [tests|bench|full|quick]"; exit 2 ;; esac
+want() { [ "$MODE" = full ] || [[ " $* " == *" $MODE "* ]]; }
 OUT=${OUT:-/tmp/jaxflash_out}
 mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 declare -A STATUS
+FAILED=0
 
-step() {  # step NAME LOGFILE COMMAND...
-  local name=$1 log=$2; shift 2
+step() {  # step NAME LOGFILE TIMEOUT_S COMMAND...
+  local name=$1 log=$2 limit=$3; shift 3
   local start=$SECONDS
-  "$@" >"$OUT/$log" 2>&1
+  timeout "$limit" "$@" >"$OUT/$log" 2>&1
   local rc=$?
+  [ $rc = 124 ] && echo "(timed out after ${limit}s)" >>"$OUT/$log"
   STATUS[$name]="rc=$rc $((SECONDS - start))s"
+  [ $rc = 0 ] || FAILED=1
   echo "== $name: rc=$rc ($((SECONDS - start))s); last lines of $log:"
-  tail -n 15 "$OUT/$log"
+  tail -n 8 "$OUT/$log"
   return $rc
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 
 cd "$REPO"
-step build build.log env CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps \
+step build build.log 300 env CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps \
   -C cmake.define.JAXFLASH_CUDA_ARCHITECTURES=90a . \
   || { echo "build failed"; exit 1; }
 python3 -c "import jaxflash; print('backends', jaxflash.backends())" | tee -a "$OUT/device.txt"
 
-# Native self-tests of the CUDA kernels against fp64 CPU references.
-# Each links only its own direction's kernels, compiled 16 at a time.
+# Native self-tests of the CUDA kernels against fp64 CPU references. Each
+# links only its own direction's kernels, compiled 16 at a time.
 selftest() {  # selftest fwd|bwd forward|backward
   local objs=/tmp/selftest_$1 nvcc_flags="-std=c++17 -O3 --use_fast_math -gencode=arch=compute_90a,code=sm_90a -I."
   mkdir -p "$objs"
@@ -43,32 +52,40 @@ selftest() {  # selftest fwd|bwd forward|backward
     xargs -P 16 -I{} sh -c "nvcc $nvcc_flags -c {} -o $objs/\$(basename {}).o" &&
     nvcc $nvcc_flags "$objs"/*.o -o /tmp/$1_selftest && /tmp/$1_selftest
 }
-if [ "$MODE" = full ]; then
-  step fwd_selftest fwd_selftest.log selftest fwd forward
-  step bwd_selftest bwd_selftest.log selftest bwd backward
+if want tests; then
+  step fwd_selftest fwd_selftest.log 200 selftest fwd forward
+  step bwd_selftest bwd_selftest.log 200 selftest bwd backward
 fi
 
-# The test suite, from outside the source tree so the installed package is imported.
+# From outside the source tree, so that the installed package is imported.
 cd /tmp
-# -rf names every failure in the summary, --tb=line keeps each to one line, and
-# -v puts each result (with its test id) in the log as it happens, so a run cut
-# short still says which cases failed.
-PYTEST_ARGS=(-v -rf --tb=line -n 8 -p no:cacheprovider --durations=10 "$REPO/tests")
-[ "$MODE" = quick ] && PYTEST_ARGS+=(-k cuda)
-step pytest pytest.log python3 -m pytest "${PYTEST_ARGS[@]}"
-
-if [ "$MODE" = full ] && python3 -c "import jaxflash.bench" 2>/dev/null; then
-  step bench bench.log python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
-    --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
+if want tests quick; then
+  # -rf names every failure in the summary, --tb=line keeps each to one line, and
+  # -v puts each result (with its test id) in the log as it happens, so a run cut
+  # short still says which cases failed.
+  step pytest pytest.log 420 python3 -m pytest -v -rf --tb=line -n 12 -p no:cacheprovider --durations=15 \
+    -k cuda "$REPO/tests"
 fi
-SEQLENS=1024,4096,16384
-[ "$MODE" = quick ] && SEQLENS=4096,16384
-step main_job main_job.log python3 -m jaxflash --dtype bfloat16 --seqlens $SEQLENS --heads 16 --head-dim 128 --batch 1
+
+if want bench; then
+  # memcheck and racecheck on jaxflash's own kernels (kns: kernel-name substring),
+  # each buffer its own allocation so that an overrun is not hidden in XLA's pool.
+  for tool in memcheck racecheck; do
+    step "$tool" "$tool.log" 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" \
+      --kernel-name kns=jaxflash --error-exitcode 1 python3 "$REPO/scripts/sanitize_cases.py"
+  done
+  step bench bench.log 330 python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
+    --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
+  step main_job main_job.log 60 python3 -m jaxflash --dtype bfloat16 --seqlens 4096,16384 --heads 16 \
+    --head-dim 128 --batch 1
+fi
 
 echo
-echo "==================== summary ===================="
+echo "==================== summary ($MODE) ===================="
 cat "$OUT/device.txt"
 for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done
-grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
-grep -E "PASS|FAIL" "$OUT"/*selftest.log 2>/dev/null | tail -n 20
-[ -f "$OUT/bench.md" ] && tail -n 30 "$OUT/bench.md"
+[ -f "$OUT/pytest.log" ] && grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
+grep -hE "passed, .* failed" "$OUT"/*selftest.log 2>/dev/null
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null
+[ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+exit $FAILED

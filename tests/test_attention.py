@@ -249,9 +249,58 @@ def make_inputs(case: Case, key):
 
 ALL_CASES = _feature_cases() + _dtype_head_dim_cases()
 
+# The GPU's larger grid: long and odd sequence lengths (up to 8k, where a tile-indexing or
+# 32-bit offset bug shows), every head dim the kernels specialise (and odd ones padded up),
+# every dtype and the main features, forward and gradients. GPU only: the CPU kernels are
+# tested on the shared grid above, and at these sizes they would take minutes per case.
+LARGE_SEQLENS = ((1023, 1023), (2048, 2048), (8192, 8192), (1, 8191), (8191, 1), (3001, 4999),
+                 (4999, 3001), (4096, 8192))
+LARGE_HEAD_DIMS = (32, 59, 64, 96, 128, 192, 200, 256)
+LARGE_FEATURES = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "window_256": dict(window=(256, 0)),
+    "gqa_4_1_causal": dict(num_heads=4, num_kv_heads=1, is_causal=True),
+    "bias_1NTS": dict(bias="1NTS"),  # with dbias
+    "mask_B1TS": dict(mask="B1TS"),
+    "lengths": dict(batch=3, q_lengths=True, kv_lengths=True, num_heads=1, num_kv_heads=1),
+    "bottom_right_causal_residual": dict(alignment="bottom_right", is_causal=True,
+                                         return_residual=True),
+}
+
+
+def _large_cases():
+  """Every feature on half the lengths (and every length with half the features); the dtype
+  and head dim rotate along the cases, so each meets several features and lengths."""
+  params = []
+  for i, (name, overrides) in enumerate(LARGE_FEATURES.items()):
+    for j, (T, S) in enumerate(LARGE_SEQLENS):
+      if (i + j) % 2:
+        continue
+      n = len(params)
+      fields = dict(dict(batch=1, num_heads=2, num_kv_heads=2), **overrides)
+      case = Case(q_len=T, kv_len=S, dtype=DTYPES[n % len(DTYPES)],
+                  head_dim=LARGE_HEAD_DIMS[n % len(LARGE_HEAD_DIMS)], **fields)
+      params.append(pytest.param(case, id="large-" + _case_id(name, case)))
+  return params
+
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_attention_matches_reference(case: Case, backend, device):
+  check_against_reference(case, backend, device)
+
+
+@pytest.mark.parametrize("case", _large_cases())
+def test_large_attention_matches_reference(case: Case, backend, device):
+  if backend == "cpu":
+    pytest.skip("the large grid runs on the GPU only (the CPU kernels take the shared grid)")
+  check_against_reference(case, backend, device)
+
+
+def check_against_reference(case: Case, backend: str, device):
+  """jaxflash's outputs and gradients for `case` on `backend` against the reference, with
+  the baseline's error as the yardstick; the drop-in contract (shapes, dtypes, placement); and
+  exact zeros for rows that see no key."""
   # Inputs, reference and baseline are made on the CPU; only ours runs on `backend`.
   inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
   static = case.static_kwargs()

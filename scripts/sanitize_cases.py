@@ -1,0 +1,53 @@
+"""Small odd-shape jaxflash calls (forward and gradients) for compute-sanitizer.
+
+scripts/gpu_check.sh runs this under memcheck and racecheck with
+XLA_PYTHON_CLIENT_ALLOCATOR=platform (so every buffer is its own allocation
+and an out-of-bounds access is not hidden inside XLA's pool), checking only
+jaxflash's kernels. Every case is small: instrumented kernels run 10-100x slower.
+"""
+
+import jax
+import jax.numpy as jnp
+
+import jaxflash
+
+# (dtype, q shape BTNH, kv shape BSKH, extra arguments)
+CASES = (
+    ("bfloat16", (2, 37, 4, 64), (2, 113, 2, 64), dict(is_causal=True)),
+    ("float16", (1, 203, 2, 128), (1, 203, 2, 128), dict(local_window_size=(17, 5))),
+    ("bfloat16", (3, 45, 2, 59), (3, 70, 1, 59), dict(bias=(3, 2, 45, 70), lengths=True)),
+    ("float16", (2, 64, 2, 72), (2, 130, 2, 72), dict(mask=(2, 1, 64, 130))),
+    ("float32", (1, 77, 2, 96), (1, 33, 2, 96), dict(bias=(1, 2, 77, 33), is_causal=True)),
+    ("bfloat16", (1, 130, 2, 200), (1, 257, 2, 200), dict(mask_alignment="bottom_right", is_causal=True)),
+    ("float16", (1, 1, 2, 32), (1, 1, 2, 32), {}),
+)
+
+
+def run(dtype, q_shape, kv_shape, extra):
+  keys = jax.random.split(jax.random.key(0), 6)
+  q = jax.random.normal(keys[0], q_shape, dtype)
+  k = jax.random.normal(keys[1], kv_shape, dtype)
+  v = jax.random.normal(keys[2], kv_shape, dtype)
+  extra = dict(extra)
+  bias_shape, mask_shape = extra.pop("bias", None), extra.pop("mask", None)
+  bias = None if bias_shape is None else jax.random.normal(keys[3], bias_shape, dtype)
+  mask = None if mask_shape is None else jax.random.bernoulli(keys[4], 0.8, mask_shape)
+  if extra.pop("lengths", False):
+    B, T, S = q_shape[0], q_shape[1], kv_shape[1]
+    extra["query_seq_lengths"] = jnp.array([T, T // 2, 0][:B], jnp.int32)
+    extra["key_value_seq_lengths"] = jnp.array([S // 2, 0, S][:B], jnp.int32)
+
+  def loss(q, k, v, bias):
+    out = jaxflash.attention(q, k, v, bias, mask, **extra)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias)
+  jax.block_until_ready(grads)
+
+
+if __name__ == "__main__":
+  assert jax.default_backend() == "gpu", jax.default_backend()
+  for case in CASES:
+    run(*case)
+    print("ok", case[0], case[1], case[2], sorted(case[3]))
