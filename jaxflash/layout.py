@@ -48,16 +48,39 @@ def drop_col(layout: Layout) -> Layout:
   return tuple(axis for axis in layout if axis[0] != COL)
 
 
-def strides_of(layout: Layout, instance_sizes: Sequence[int]) -> tuple[list[int], int, int]:
-  """Element strides of a dense row-major array with this layout.
+def col_minor_order(layout: Layout) -> tuple[int, ...] | None:
+  """A physical axis order (major to minor) in which the COL axis is minor-most.
 
-  Returns (instance strides, row stride, col stride); 0 where the array does
-  not vary along that axis.
+  None when the row-major layout already gives COL a unit stride (or the array
+  has no COL axis, or COL has size 1); otherwise the axes in their logical
+  order with COL moved last. The CUDA lowering asks XLA for that order for the
+  operands whose rows the kernels copy in contiguous chunks.
   """
+  cols = [i for i, (role, _) in enumerate(layout) if role == COL]
+  if not cols:
+    return None
+  c = cols[0]
+  if layout[c][1] == 1 or all(size == 1 for _, size in layout[c + 1:]):
+    return None
+  return tuple(i for i in range(len(layout)) if i != c) + (c,)
+
+
+def strides_of(layout: Layout, instance_sizes: Sequence[int],
+               order: Sequence[int] | None = None) -> tuple[list[int], int, int]:
+  """Element strides of a dense array with this layout.
+
+  `order` is the physical order of the array's axes, major to minor (None:
+  row-major, i.e. 0, 1, ..., n-1). Returns (instance strides, row stride,
+  col stride); 0 where the array does not vary along that axis.
+  """
+  if order is None:
+    order = range(len(layout))
+  elif sorted(order) != list(range(len(layout))):
+    raise AssertionError(f"jaxflash internal: {tuple(order)} is not an order of {len(layout)} axes")
   inst = [0] * len(instance_sizes)
   row = col = 0
   stride = 1
-  for role, size in reversed(layout):
+  for role, size in (layout[a] for a in reversed(order)):
     if size != 1:
       if role == ROW:
         row = stride
@@ -76,15 +99,20 @@ def strides_of(layout: Layout, instance_sizes: Sequence[int]) -> tuple[list[int]
   return inst, row, col
 
 
-def packed_strides(instance_sizes: Sequence[int],
-                   layouts: dict[str, Layout]) -> tuple[np.ndarray, np.ndarray]:
+def packed_strides(instance_sizes: Sequence[int], layouts: dict[str, Layout],
+                   orders: dict[str, Sequence[int]] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
   """The FFI attributes ``instance_sizes`` and ``strides`` for these layouts.
 
-  Instance axes of size 1 are dropped and neighbours that every operand walks
-  contiguously are merged, so the kernels see as few axes as possible (at least
-  one, since XLA's attribute decoding wants non-empty arrays).
+  `orders` gives the physical axis order (major to minor) of the slots that are
+  not row-major (see col_minor_order). Instance axes of size 1 are dropped and
+  neighbours that every operand walks contiguously are merged, so the kernels
+  see as few axes as possible (at least one, since XLA's attribute decoding
+  wants non-empty arrays).
   """
-  per_slot = {name: strides_of(layout, instance_sizes) for name, layout in layouts.items()}
+  orders = orders or {}
+  per_slot = {name: strides_of(layout, instance_sizes, orders.get(name))
+              for name, layout in layouts.items()}
   sizes = list(instance_sizes)
   inst = {name: list(s[0]) for name, s in per_slot.items()}
 

@@ -10,8 +10,10 @@ evaluation by the native module so the handler never allocates.
 Each primitive has an abstract evaluation, a lowering to the FFI target of the
 platform (cuda/ffi/*_handlers), and a batching rule that folds the vmapped axis
 into the kernel's instance space: one custom call per direction, whatever the
-vmap nesting, and no transpose or copy of the operands. Sharding rules join
-these in a later stage.
+vmap nesting, and no transpose or copy of the operands (except on CUDA for an
+operand vmapped on an axis after its head dim, whose feature axis the CUDA
+lowering makes minor-most; see _cuda_lowering). Sharding rules join these in a
+later stage.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from jax.extend import core
 from jax.interpreters import batching, mlir
 
 from jaxflash import _native
-from jaxflash.layout import Layout, drop_col, insert_axis, packed_strides, shape_of
+from jaxflash.layout import (Layout, col_minor_order, drop_col, insert_axis, packed_strides,
+                             shape_of)
 
 # Bits of AttentionParams::flags (cuda/params.h).
 HAS_BIAS = 1 << 0
@@ -43,6 +46,11 @@ UNBOUNDED = -1
 
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens")
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
+FORWARD_RESULTS = ("o", "lse")
+BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
+# The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
+# axis must be minor-most in memory.
+COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
 ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32}
 
 
@@ -75,8 +83,20 @@ class KernelConfig:
     merged.update(updates)
     return self.replace(layouts=tuple(sorted(merged.items())))
 
-  def ffi_attributes(self) -> dict:
-    sizes, strides = packed_strides(self.instance_sizes, dict(self.layouts))
+  def col_minor_orders(self) -> dict[str, tuple[int, ...]]:
+    """Physical axis orders (major to minor) that put the feature axis of each
+    COL_MINOR_SLOTS slot minor-most, for the slots where row-major does not."""
+    orders = {}
+    for slot in COL_MINOR_SLOTS:
+      layout = self.layout(slot)
+      order = col_minor_order(layout) if layout is not None else None
+      if order is not None:
+        orders[slot] = order
+    return orders
+
+  def ffi_attributes(self, orders: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """The FFI attributes; `orders`: physical axis orders of the non-row-major slots."""
+    sizes, strides = packed_strides(self.instance_sizes, dict(self.layouts), orders)
     return dict(instance_sizes=sizes, strides=strides,
                 dims=np.asarray(self.seq_dims, np.int64), scale=np.float32(self.scale),
                 window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
@@ -198,9 +218,38 @@ jax.interpreters.ad.primitive_jvps[backward_p] = _no_higher_derivatives
 # ---------------------------------------------------------------- lowering
 
 def _lowering(target: str):
+  """Row-major operands and results (the CPU kernels take any strides)."""
   def rule(ctx, *args, config):
     return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())
   return rule
+
+
+def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
+  """Like _lowering, except that an operand or result whose feature axis is not minor-most
+  (vmapped on an axis after the head dim) is given a physical layout with it minor-most, and
+  its strides follow that layout: XLA then transposes it around the call, on CUDA only and
+  only in that case (the batching rules stay copy-free on every platform)."""
+  def rule(ctx, *args, config):
+    orders = config.col_minor_orders()
+    if not orders:
+      return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())
+    # XLA's layouts are minor to major; None is the default (row-major).
+    minor_to_major = lambda slot: tuple(reversed(orders[slot])) if slot in orders else None
+    return ffi.ffi_lowering(target, operand_layouts=[minor_to_major(s) for s in inputs],
+                            result_layouts=[minor_to_major(s) for s in results])(
+                                ctx, *args, **config.ffi_attributes(orders))
+  return rule
+
+
+def register_lowerings(platform: str) -> None:
+  """Registers the forward and backward lowerings for `platform` ("cpu" or "cuda")."""
+  if platform == "cuda":
+    forward_rule = _cuda_lowering("jaxflash_fwd", FORWARD_INPUTS, FORWARD_RESULTS)
+    backward_rule = _cuda_lowering("jaxflash_bwd", BACKWARD_INPUTS, BACKWARD_RESULTS)
+  else:
+    forward_rule, backward_rule = _lowering("jaxflash_fwd"), _lowering("jaxflash_bwd")
+  mlir.register_lowering(forward_p, forward_rule, platform=platform)
+  mlir.register_lowering(backward_p, backward_rule, platform=platform)
 
 
 def _register() -> tuple[str, ...]:
@@ -212,8 +261,7 @@ def _register() -> tuple[str, ...]:
       continue
     for name, capsule in targets.items():
       ffi.register_ffi_target(name, capsule, platform=xla_platform)
-    mlir.register_lowering(forward_p, _lowering("jaxflash_fwd"), platform=platform)
-    mlir.register_lowering(backward_p, _lowering("jaxflash_bwd"), platform=platform)
+    register_lowerings(platform)
     platforms.append(platform)
   return tuple(platforms)
 
