@@ -52,8 +52,8 @@ enum Flags : int64_t {
   kBottomRight = 1 << 4,  // align the causal/window diagonal to the ends (kv_len - q_len)
   kHasDbias = 1 << 6,     // backward: write dbias
   kOutputF32 = 1 << 7,    // forward: o is float32 whatever dtype (the backward's residual)
-  // float32 inputs: fp32-accurate products (3xTF32), what precision="highest"
-  // asks for; ignored for 16-bit dtypes.
+  // float32 inputs: fp32-accurate products via 3xTF32, what precision="highest"
+  // asks for; ignored for 16-bit dtypes, whose operands are exact in the MMA already.
   kExactF32 = 1 << 8,
 };
 

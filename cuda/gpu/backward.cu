@@ -23,8 +23,8 @@
 
 namespace jaxflash::gpu {
 
-// Defined in instantiations/bwd_<dtype>_d<D>.cu.
-template <class T, int D>
+// Defined in instantiations/bwd_<dtype>_d<D>.cu (3xTF32: bwd_f32x3_d<D>.cu).
+template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream);
 
 namespace {
@@ -91,19 +91,19 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid
   }
 }
 
-template <class T>
+template <class T, F32Mma M>
 cudaError_t dispatch_head_dim(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   switch (bwd_padded_head_dim(p.head_dim)) {
-    case 32: return launch_backward_instance<T, 32>(p, rt, stream);
-    case 64: return launch_backward_instance<T, 64>(p, rt, stream);
-    case 96: return launch_backward_instance<T, 96>(p, rt, stream);
-    case 128: return launch_backward_instance<T, 128>(p, rt, stream);
-    case 192: return launch_backward_instance<T, 192>(p, rt, stream);
-    default: return launch_backward_instance<T, 256>(p, rt, stream);
+    case 32: return launch_backward_instance<T, 32, M>(p, rt, stream);
+    case 64: return launch_backward_instance<T, 64, M>(p, rt, stream);
+    case 96: return launch_backward_instance<T, 96, M>(p, rt, stream);
+    case 128: return launch_backward_instance<T, 128, M>(p, rt, stream);
+    case 192: return launch_backward_instance<T, 192, M>(p, rt, stream);
+    default: return launch_backward_instance<T, 256, M>(p, rt, stream);
   }
 }
 
-template <class T>
+template <class T, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const BwdWorkspaceLayout& w,
                          char* base, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(base, 0, static_cast<size_t>(w.zero_bytes), stream);
@@ -114,7 +114,7 @@ cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const B
   if (pre_blocks > INT_MAX || post_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   if (pre_blocks > 0) backward_prepass<<<static_cast<unsigned>(pre_blocks), 32 * kRowWarps, 0, stream>>>(p, rt);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = dispatch_head_dim<T>(p, rt, stream)) != cudaSuccess) return err;
+  if ((err = dispatch_head_dim<T, M>(p, rt, stream)) != cudaSuccess) return err;
   if (post_blocks > 0) backward_postpass<T><<<static_cast<unsigned>(post_blocks), 32 * kRowWarps, 0, stream>>>(p, rt);
   return cudaGetLastError();
 }
@@ -218,7 +218,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   switch (p.dtype) {
     case DType::kF16: return launch_typed<__half>(p, rt, w, base, stream);
     case DType::kBF16: return launch_typed<__nv_bfloat16>(p, rt, w, base, stream);
-    default: return launch_typed<float>(p, rt, w, base, stream);
+    default:  // kF32 (dtype_bytes checked it)
+      return p.has(kExactF32) ? launch_typed<float, F32Mma::k3xTf32>(p, rt, w, base, stream)
+                              : launch_typed<float>(p, rt, w, base, stream);
   }
 }
 

@@ -23,7 +23,9 @@ int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_
 // backward_workspace_bytes(...) bytes, contents undefined on entry. Bitwise deterministic (no order-dependent
 // float reductions). Never allocates or synchronises (CUDA-graph safe).
 //   dtype f16 / bf16: fp16 / bf16 tensor-core MMAs, fp32 accumulation.
-//   dtype f32: tf32 tensor-core MMAs (operands rounded to tf32), fp32 elsewhere.
+//   dtype f32: tf32 tensor-core MMAs (operands rounded to tf32), fp32 elsewhere;
+//     with kExactF32, fp32-accurate products instead: 3xTF32 (each operand split
+//     into big + small tf32 parts, three MMAs per product), about 3x the MMA work.
 // Requires head_dim <= 256; unit column stride for q, k, v, d_o, dq, dk, dv;
 // a bias in dtype or float32; dq unshared along every instance axis; dk and dv
 // shared along the same axes; a bias when dbias is asked for. Returns

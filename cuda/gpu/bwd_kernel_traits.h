@@ -6,18 +6,23 @@
 #include <cstdint>
 
 #include "bwd_tile_size.h"
+#include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
 
 // Two variants per (T, D), as in the forward: the fast one (no bias, no mask,
-// q/k/v/dO rows 16-byte aligned) and the general one.
-template <class T_, int D, bool kGeneral_>
+// q/k/v/dO rows 16-byte aligned) and the general one. kF32Mma: how float32
+// operands go through the tensor cores (primitives/ptx.h; tf32 by default,
+// 3xTF32 under kExactF32), on the same tiles.
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;
   static constexpr bool kGeneral = kGeneral_;
+  static constexpr F32Mma kF32Mma = kF32Mma_;
+  static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static constexpr BwdTiles kTiles = bwd_tiles(static_cast<int>(sizeof(T)), D, kGeneral);
   static constexpr int kBlockM = kTiles.block_m;
   static constexpr int kBlockN = kTiles.block_n;

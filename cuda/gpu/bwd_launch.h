@@ -23,9 +23,9 @@ cudaError_t raise_smem_limit(Kernel* kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int D, bool kGeneral>
+template <class T, int D, bool kGeneral, F32Mma M>
 cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdConfig<T, D, kGeneral>;
+  using Cfg = BwdConfig<T, D, kGeneral, M>;
   auto* kernel = &backward_kernel<Cfg>;
   const int smem = Cfg::kSmemBytes + (rt.dq_bulk ? Cfg::kDqStageBytes : 0);
   if (const cudaError_t err = raise_smem_limit(kernel, smem); err != cudaSuccess) return err;
@@ -36,9 +36,9 @@ cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt,
   return cudaGetLastError();
 }
 
-template <class T, int D, class BiasT>
+template <class T, int D, F32Mma M, class BiasT>
 cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdConfig<T, D, true>;
+  using Cfg = BwdConfig<T, D, true, M>;
   auto* kernel = &dbias_kernel<Cfg, BiasT>;
   if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kDbiasSmemBytes); err != cudaSuccess) return err;
   int64_t blocks = rt.dbias_kept;
@@ -49,16 +49,19 @@ cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt
   return cudaGetLastError();
 }
 
-// Expects p validated, rt filled and the workspace prepared (backward.cu).
-template <class T, int D>
+// Expects p validated, rt filled and the workspace prepared (backward.cu). M:
+// the float32 MMA mode (backward.cu picks k3xTf32 for kExactF32; the 16-bit
+// types take the default).
+template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  cudaError_t err = rt.general ? launch_backward_main<T, D, true>(p, rt, stream)
-                               : launch_backward_main<T, D, false>(p, rt, stream);
+  cudaError_t err = rt.general ? launch_backward_main<T, D, true, M>(p, rt, stream)
+                               : launch_backward_main<T, D, false, M>(p, rt, stream);
   if (err != cudaSuccess || !p.has(kHasDbias) || p.seqlen_q == 0 || p.seqlen_k == 0) return err;
   if constexpr (sizeof(T) == 4) {
-    return launch_backward_dbias<T, D, float>(p, rt, stream);
+    return launch_backward_dbias<T, D, M, float>(p, rt, stream);
   } else {
-    return rt.bias_f32 ? launch_backward_dbias<T, D, float>(p, rt, stream) : launch_backward_dbias<T, D, T>(p, rt, stream);
+    return rt.bias_f32 ? launch_backward_dbias<T, D, M, float>(p, rt, stream)
+                       : launch_backward_dbias<T, D, M, T>(p, rt, stream);
   }
 }
 

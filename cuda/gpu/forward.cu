@@ -13,21 +13,21 @@
 
 namespace jaxflash::gpu {
 
-// Defined in instantiations/fwd_<dtype>_d<D>.cu.
-template <class T, int D>
+// Defined in instantiations/fwd_<dtype>_d<D>.cu (3xTF32: fwd_f32x3_d<D>.cu).
+template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream);
 
 namespace {
 
-template <class T>
+template <class T, F32Mma M = F32Mma::kTf32>
 cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   const int64_t h = p.head_dim;
-  if (h <= 32) return launch_forward_instance<T, 32>(p, rt, stream);
-  if (h <= 64) return launch_forward_instance<T, 64>(p, rt, stream);
-  if (h <= 96) return launch_forward_instance<T, 96>(p, rt, stream);
-  if (h <= 128) return launch_forward_instance<T, 128>(p, rt, stream);
-  if (h <= 192) return launch_forward_instance<T, 192>(p, rt, stream);
-  return launch_forward_instance<T, 256>(p, rt, stream);
+  if (h <= 32) return launch_forward_instance<T, 32, M>(p, rt, stream);
+  if (h <= 64) return launch_forward_instance<T, 64, M>(p, rt, stream);
+  if (h <= 96) return launch_forward_instance<T, 96, M>(p, rt, stream);
+  if (h <= 128) return launch_forward_instance<T, 128, M>(p, rt, stream);
+  if (h <= 192) return launch_forward_instance<T, 192, M>(p, rt, stream);
+  return launch_forward_instance<T, 256, M>(p, rt, stream);
 }
 
 }  // namespace
@@ -68,7 +68,9 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   switch (p.dtype) {
     case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);
     case DType::kBF16: return dispatch_head_dim<__nv_bfloat16>(p, rt, stream);
-    default: return dispatch_head_dim<float>(p, rt, stream);
+    default:  // kF32 (dtype_bytes checked it)
+      return p.has(kExactF32) ? dispatch_head_dim<float, F32Mma::k3xTf32>(p, rt, stream)
+                              : dispatch_head_dim<float>(p, rt, stream);
   }
 }
 

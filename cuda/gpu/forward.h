@@ -10,7 +10,9 @@ namespace jaxflash::gpu {
 // o and lse of `p` (see params.h), computed on `stream`; o in dtype, or in
 // float32 with kOutputF32.
 //   dtype f16 / bf16: fp16 / bf16 tensor-core MMAs, fp32 accumulation and softmax.
-//   dtype f32: tf32 tensor-core MMAs (operands rounded to tf32), fp32 softmax.
+//   dtype f32: tf32 tensor-core MMAs (operands rounded to tf32), fp32 softmax;
+//     with kExactF32, fp32-accurate products instead: 3xTF32 (each operand split
+//     into big + small tf32 parts, three MMAs per product), about 3x the MMA work.
 // Requires head_dim <= 256, T and S < 2^28, unit column stride for q, k, v
 // and o, and a bias in dtype or float32. Returns cudaErrorInvalidValue when p
 // breaks those, else cudaGetLastError() after the launch. Never allocates or

@@ -14,9 +14,9 @@
 
 namespace jaxflash::gpu {
 
-template <class T, int D, bool kGeneral>
+template <class T, int D, bool kGeneral, F32Mma M>
 cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = FwdConfig<T, D, kGeneral>;
+  using Cfg = FwdConfig<T, D, kGeneral, M>;
   auto* kernel = &forward_kernel<Cfg>;
   constexpr int kSmem = Cfg::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {  // opt in beyond the default 48 KB
@@ -30,12 +30,14 @@ cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt
 }
 
 // Expects p validated and non-empty (forward.cu). Neither allocates nor
-// synchronises, so it can be captured in a CUDA graph.
-template <class T, int D>
+// synchronises, so it can be captured in a CUDA graph. M: the float32 MMA mode
+// (forward.cu picks k3xTf32 for kExactF32; the 16-bit types take the default).
+template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   const bool fast = !p.has(kHasBias) && !p.has(kHasMask) && !rt.fold_scale && p.head_dim == D && rt.q_vec &&
                     rt.k_vec && rt.v_vec;
-  return fast ? launch_forward_config<T, D, false>(p, rt, stream) : launch_forward_config<T, D, true>(p, rt, stream);
+  return fast ? launch_forward_config<T, D, false, M>(p, rt, stream)
+              : launch_forward_config<T, D, true, M>(p, rt, stream);
 }
 
 }  // namespace jaxflash::gpu

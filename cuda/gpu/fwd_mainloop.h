@@ -114,7 +114,7 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
     cp_async_commit();
 
     float s[Cfg::kMF][Cfg::kNF][4];
-    gemm_qk<T, Cfg::kUnrollQk>(s, sQ, sK, warp_row, lane);
+    gemm_qk<T, Cfg::kF32Mma, Cfg::kUnrollQk>(s, sQ, sK, warp_row, lane);
     score_tile<Cfg>(s, p, rt, pos, ops, m0 + warp_row, n0, !masked, lane);
 
     cp_async_wait<0>();  // V landed
@@ -124,9 +124,10 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
       cp_async_commit();
     }
     online_softmax(s, o, st, rt.exp_scale);
-    uint32_t a[Cfg::kMF][Cfg::kBlockN / MmaOps<T>::kK][4];
-    p_fragments<T>(a, s);
-    gemm_pv<T>(o, a, sV, lane);
+    using Mma = MmaOps<T, Cfg::kF32Mma>;
+    typename Mma::AFrag a[Cfg::kMF][Cfg::kBlockN / Mma::kK];
+    p_fragments<T, Cfg::kF32Mma>(a, s);
+    gemm_pv<T, Cfg::kF32Mma>(o, a, sV, lane);
   };
 
   const FullTiles<BN> full(pos, m0, min(m0 + BM, pos.q_len) - 1);

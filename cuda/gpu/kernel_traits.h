@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
 #include "tile_size.h"
 
@@ -17,11 +18,15 @@ namespace jaxflash::gpu {
 //             16-byte aligned
 //   general : everything else: bias and / or mask, any scale, padded head
 //             dims, any row alignment (element-wise fallback copy)
-template <class T_, int D, bool kGeneral_>
+// kF32Mma: how float32 operands go through the tensor cores (ptx.h; tf32 by
+// default, 3xTF32 under kExactF32); the same tiles either way.
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;                // padded; columns >= head_dim are zero
   static constexpr bool kGeneral = kGeneral_;
+  static constexpr F32Mma kF32Mma = kF32Mma_;
+  static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static constexpr int kBlockM = FwdTileSize<sizeof(T), D, kGeneral>::kBlockM;
   static constexpr int kBlockN = FwdTileSize<sizeof(T), D, kGeneral>::kBlockN;
   static constexpr bool kUnrollQk = FwdTileSize<sizeof(T), D, kGeneral>::kUnrollQk;

@@ -9,6 +9,8 @@
 // Accumulators use the m16n8 C layout of mma.h (c_row / c_col below). The k
 // order inside a fragment is the natural one here for every type (the
 // forward's fp32 P.V path permutes k, which only works with P in registers).
+// float32 runs in either F32Mma mode (ptx.h), through BwdFrag's AFrag / BFrag /
+// mma as in mma.h: warp_gemm is written once for all of them.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +39,8 @@ __device__ __forceinline__ int c_col(int nf, int i, int lane) { return 8 * nf + 
 enum class AOrder { kMK, kKM };
 enum class BOrder { kNK, kKN };
 
-template <class T>
+// M matters for float only (see F32Mma).
+template <class T, F32Mma M = F32Mma::kTf32>
 struct BwdFrag;
 
 // fp16 / bf16, mma.m16n8k16. A: a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..),
@@ -46,6 +49,8 @@ struct BwdFrag;
 template <class T>
 struct BwdFrag16 {
   static constexpr int kK = 16;
+  using AFrag = uint32_t[4];  // the registers of one operand fragment
+  using BFrag = uint32_t[2];
 
   template <AOrder O, class Tile>
   __device__ __forceinline__ static void load_a(uint32_t (&a)[4], const Tile& t, int m0, int k0, int lane) {
@@ -83,90 +88,96 @@ struct BwdFrag16 {
   }
 };
 
-template <>
-struct BwdFrag<__half> : BwdFrag16<__half> {};
-template <>
-struct BwdFrag<__nv_bfloat16> : BwdFrag16<__nv_bfloat16> {};
+template <F32Mma M>
+struct BwdFrag<__half, M> : BwdFrag16<__half> {};
+template <F32Mma M>
+struct BwdFrag<__nv_bfloat16, M> : BwdFrag16<__nv_bfloat16> {};
 
 // fp32 on tf32 mma.m16n8k8. A: a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4);
 // B: b0 (k t, n g), b1 (k t+4, n g). A 16-byte chunk is 4 floats, so ldmatrix's
 // 8x8 b16 matrix is an 8x4 fp32 one with lane l at (l/4, l%4): the
 // non-transposed orders load with ldmatrix, the transposed ones with scalar
 // loads (ldmatrix cannot transpose 32-bit elements). Operands are rounded to
-// tf32 (cvt.rna) on the way.
-template <>
-struct BwdFrag<float> {
+// tf32 (cvt.rna) on the way, or split into big + small tf32 parts (k3xTf32):
+// tf32_operand (ptx.h) turns each raw fp32 word into its fragment word(s).
+template <F32Mma M>
+struct BwdFrag<float, M> {
   static constexpr int kK = 8;
+  using AFrag = Tf32Frag<M, 4>;
+  using BFrag = Tf32Frag<M, 2>;
 
   template <AOrder O, class Tile>
-  __device__ __forceinline__ static void load_a(uint32_t (&a)[4], const Tile& t, int m0, int k0, int lane) {
+  __device__ __forceinline__ static void load_a(AFrag& a, const Tile& t, int m0, int k0, int lane) {
+    uint32_t(&r)[4] = fp32_bits(a);
     if constexpr (O == AOrder::kMK) {
-      ldmatrix_x4(a, t.saddr(m0 + (lane & 15), k0 + (lane >> 4) * 4));
+      ldmatrix_x4(r, t.saddr(m0 + (lane & 15), k0 + (lane >> 4) * 4));
     } else {
       const int g = lane >> 2, q = lane & 3;
-      a[0] = t.template at<uint32_t>(k0 + q, m0 + g);
-      a[1] = t.template at<uint32_t>(k0 + q, m0 + g + 8);
-      a[2] = t.template at<uint32_t>(k0 + q + 4, m0 + g);
-      a[3] = t.template at<uint32_t>(k0 + q + 4, m0 + g + 8);
+      r[0] = t.template at<uint32_t>(k0 + q, m0 + g);
+      r[1] = t.template at<uint32_t>(k0 + q, m0 + g + 8);
+      r[2] = t.template at<uint32_t>(k0 + q + 4, m0 + g);
+      r[3] = t.template at<uint32_t>(k0 + q + 4, m0 + g + 8);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = to_tf32(a[i]);
+    for (int i = 0; i < 4; ++i) tf32_operand(a, i, r[i]);
   }
 
   template <BOrder O, class Tile>
-  __device__ __forceinline__ static void load_b2(uint32_t (&b)[2][2], const Tile& t, int n0, int k0, int lane) {
+  __device__ __forceinline__ static void load_b2(BFrag (&b)[2], const Tile& t, int n0, int k0, int lane) {
+    uint32_t r[2][2];
     if constexpr (O == BOrder::kNK) {
-      uint32_t r[4];
-      ldmatrix_x4(r, t.saddr(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + ((lane >> 3) & 1) * 4));
-      b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+      uint32_t x[4];
+      ldmatrix_x4(x, t.saddr(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + ((lane >> 3) & 1) * 4));
+      r[0][0] = x[0], r[0][1] = x[1], r[1][0] = x[2], r[1][1] = x[3];
     } else {
       const int g = lane >> 2, q = lane & 3;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        b[j][0] = t.template at<uint32_t>(k0 + q, n0 + 8 * j + g);
-        b[j][1] = t.template at<uint32_t>(k0 + q + 4, n0 + 8 * j + g);
+        r[j][0] = t.template at<uint32_t>(k0 + q, n0 + 8 * j + g);
+        r[j][1] = t.template at<uint32_t>(k0 + q + 4, n0 + 8 * j + g);
       }
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) b[j][0] = to_tf32(b[j][0]), b[j][1] = to_tf32(b[j][1]);
+    for (int j = 0; j < 2; ++j) tf32_operand(b[j], 0, r[j][0]), tf32_operand(b[j], 1, r[j][1]);
   }
 
   template <BOrder O, class Tile>
-  __device__ __forceinline__ static void load_b1(uint32_t (&b)[2], const Tile& t, int n0, int k0, int lane) {
+  __device__ __forceinline__ static void load_b1(BFrag& b, const Tile& t, int n0, int k0, int lane) {
+    uint32_t(&r)[2] = fp32_bits(b);
     if constexpr (O == BOrder::kNK) {
-      ldmatrix_x2(b, t.saddr(n0 + (lane & 7), k0 + ((lane >> 3) & 1) * 4));
+      ldmatrix_x2(r, t.saddr(n0 + (lane & 7), k0 + ((lane >> 3) & 1) * 4));
     } else {
       const int g = lane >> 2, q = lane & 3;
-      b[0] = t.template at<uint32_t>(k0 + q, n0 + g);
-      b[1] = t.template at<uint32_t>(k0 + q + 4, n0 + g);
+      r[0] = t.template at<uint32_t>(k0 + q, n0 + g);
+      r[1] = t.template at<uint32_t>(k0 + q + 4, n0 + g);
     }
-    b[0] = to_tf32(b[0]), b[1] = to_tf32(b[1]);
+    tf32_operand(b, 0, r[0]), tf32_operand(b, 1, r[1]);
   }
 
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  __device__ __forceinline__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
     mma_m16n8k8_tf32(d, a, b);
   }
 };
 
 // C[MF][NF] += A . B for the warp block whose first row is m0 (of A's m) and
 // first column n0 (of B's n), reducing over k in [0, KDIM), UNROLL k steps at
-// a time.
-template <class T, AOrder AO, BOrder BO, int KDIM, int UNROLL, int MF, int NF, class ATile, class BTile>
+// a time. M: the float32 MMA mode (ignored for 16-bit T).
+template <class T, F32Mma M, AOrder AO, BOrder BO, int KDIM, int UNROLL, int MF, int NF, class ATile, class BTile>
 __device__ __forceinline__ void warp_gemm(float (&c)[MF][NF][4], const ATile& a, int m0, const BTile& b, int n0,
                                           int lane) {
-  using F = BwdFrag<T>;
+  using F = BwdFrag<T, M>;
   constexpr int kSteps = KDIM / F::kK;
   static_assert(KDIM % F::kK == 0, "whole k steps");
   constexpr int kUnroll = kSteps < UNROLL ? kSteps : UNROLL;
 #pragma unroll kUnroll
   for (int step = 0; step < kSteps; ++step) {
     const int k0 = step * F::kK;
-    uint32_t af[MF][4];
+    typename F::AFrag af[MF];
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf) F::template load_a<AO>(af[mf], a, m0 + 16 * mf, k0, lane);
 #pragma unroll
     for (int nf = 0; nf + 1 < NF; nf += 2) {
-      uint32_t bf[2][2];
+      typename F::BFrag bf[2];
       F::template load_b2<BO>(bf, b, n0 + 8 * nf, k0, lane);
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
@@ -175,7 +186,7 @@ __device__ __forceinline__ void warp_gemm(float (&c)[MF][NF][4], const ATile& a,
       }
     }
     if constexpr (NF % 2 == 1) {
-      uint32_t bf[2];
+      typename F::BFrag bf;
       F::template load_b1<BO>(bf, b, n0 + 8 * (NF - 1), k0, lane);
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) F::mma(c[mf][NF - 1], af[mf], bf);
@@ -195,7 +206,7 @@ __device__ __forceinline__ void zero_frags(float (&c)[MF][NF][4]) {
 
 // C fragments -> a [row][col] tile of T at the warp block (row0, col0), each
 // lane storing its two adjacent columns as one 32-bit (or 64-bit) word. fp32
-// keeps full precision (the tf32 rounding happens on the loads).
+// keeps full precision (the tf32 rounding, or split, happens on the loads).
 template <class T, int MF, int NF, class Tile>
 __device__ __forceinline__ void store_frags(const Tile& t, const float (&c)[MF][NF][4], int row0, int col0, float mul,
                                             int lane) {

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jaxflash::gpu {
 
@@ -87,6 +88,67 @@ __device__ __forceinline__ uint32_t to_tf32(uint32_t x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(x)));
   return r;
+}
+
+// How float32 operands meet the tensor cores (16-bit operands are exact in the
+// MMA already, so this is a float32-only choice; AttentionParams' kExactF32):
+//   kTf32    one tf32 MMA per product, operands rounded to tf32 (10-bit
+//            mantissa): JAX's default float32 matmul precision on these GPUs.
+//   k3xTf32  fp32-accurate products: each operand x = big + small with
+//            big = tf32(x), small = tf32(x - big), and a * b accumulated as
+//            small_a big_b + big_a small_b + big_a big_b (the dropped
+//            small_a small_b is ~2^-22 |a b|). Three MMAs per product.
+enum class F32Mma { kTf32, k3xTf32 };
+
+// An fp32 fragment split into two tf32 fragments, x ~= big + small.
+template <int N>
+struct Tf32Split {
+  uint32_t big[N], small[N];
+};
+
+// The registers an fp32 operand fragment of N words occupies on its way into
+// the MMA: rounded to tf32, or split.
+template <F32Mma M, int N>
+using Tf32Frag = std::conditional_t<M == F32Mma::k3xTf32, Tf32Split<N>, uint32_t[N]>;
+
+// x = big + small up to ~2^-22 |x|: x - big is exact in fp32 (it is made of
+// the 13 low bits of x's significand), and rounding it to tf32 drops the last
+// two of them.
+__device__ __forceinline__ void split_tf32(uint32_t x, uint32_t& big, uint32_t& small) {
+  big = to_tf32(x);
+  small = to_tf32(__float_as_uint(__uint_as_float(x) - __uint_as_float(big)));
+}
+
+// Raw fp32 bits x -> word i of an operand fragment: rounded (kTf32) or split
+// (k3xTf32).
+template <int N>
+__device__ __forceinline__ void tf32_operand(uint32_t (&f)[N], int i, uint32_t x) {
+  f[i] = to_tf32(x);
+}
+template <int N>
+__device__ __forceinline__ void tf32_operand(Tf32Split<N>& f, int i, uint32_t x) {
+  split_tf32(x, f.big[i], f.small[i]);
+}
+
+// The N registers of a fragment that can take its raw fp32 bits, for a load
+// that fills them and then converts in place (tf32_operand(f, i, fp32_bits(f)[i])).
+template <int N>
+__device__ __forceinline__ uint32_t (&fp32_bits(uint32_t (&f)[N]))[N] {
+  return f;
+}
+template <int N>
+__device__ __forceinline__ uint32_t (&fp32_bits(Tf32Split<N>& f))[N] {
+  return f.big;
+}
+
+// D += A * B to fp32 accuracy on split operands (3xTF32, see F32Mma). The two
+// cross terms (~2^-11 of the product each) go in first, the big one last: the
+// usual smallest-first order of a floating-point sum, so the corrections meet
+// each other and the partial sum before they meet big_a big_b.
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const Tf32Split<4>& a, const Tf32Split<2>& b) {
+  mma_m16n8k8_tf32(d, a.small, b.big);
+  mma_m16n8k8_tf32(d, a.big, b.small);
+  mma_m16n8k8_tf32(d, a.big, b.big);
 }
 
 // 2^x on the SFU; ex2(-inf) = +0, which is what masked scores rely on.

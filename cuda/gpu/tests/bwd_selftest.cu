@@ -4,7 +4,8 @@
 // sequence lengths with empty rows and an instance with no key, broadcast
 // biases with dbias (over batch, over heads + keys, over heads + queries, a
 // scalar), masks with a fully masked row, dlse, unaligned rows, every padded
-// head dim, all three dtypes; then bitwise determinism at a larger size.
+// head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
+// held to fp32 accuracy); then bitwise determinism at a larger size.
 // o and lse come from the reference (fp64, rounded to the kernel's inputs), so
 // the test does not depend on the forward kernel. Like the FFI handler, every
 // case passes delta = rowsum(dO o O) - dlse (from the exact output) and no o.
@@ -77,8 +78,16 @@ struct Case {
   bool lens = false;
   bool dlse = false;
   Layout layout = Layout::kBTNH;
-  float scale = 0.f;  // 0: 1 / sqrt(H)
+  float scale = 0.f;   // 0: 1 / sqrt(H)
+  bool exact = false;  // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
 };
+
+// An f32 case run with kExactF32.
+Case exact(Case c) {
+  c.exact = true;
+  c.name = "exact " + c.name;
+  return c;
+}
 
 int elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
@@ -214,6 +223,7 @@ struct Problem {
     p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(H));
     p.window_left = c.window_left, p.window_right = c.window_right;
     if (c.bottom_right) p.flags |= jaxflash::kBottomRight;
+    if (c.exact) p.flags |= jaxflash::kExactF32;
 
     // Sequence lengths: batch 0 gets kv_len 0 (no key at all) when B > 2, batch 1 a
     // q_len short of T.
@@ -390,6 +400,12 @@ struct ErrStat {
     max_ref = std::max(max_ref, std::fabs(ref));
   }
   bool ok(double tol) const { return bad == 0 && max_err <= tol * std::max(max_ref, 1e-3) + 1e-5; }
+  // kExactF32: fp32 accuracy, 2e-5 of the largest reference value (at least 1).
+  // Emulating the kernels' arithmetic on the exact cases' shapes (tensor cores
+  // truncating as they do) puts 3xTF32 below 0.25 of this bound and tf32
+  // products 11-45x above it for every gradient, so an exact case cannot pass
+  // on tf32 arithmetic.
+  bool ok_fp32() const { return bad == 0 && max_err <= 2e-5 * std::max(max_ref, 1.0); }
 };
 
 bool run_case(const Case& c, std::mt19937& rng) {
@@ -466,13 +482,17 @@ bool run_case(const Case& c, std::mt19937& rng) {
   for (size_t i = 0; i < pr.dbias_n; ++i) e_db.add(dbias.get(i), rdbias[i]);
 
   const double tol = c.dtype == DType::kBF16 ? 3e-2 : 1e-2;
-  const bool ok = e_dq.ok(tol) && e_dk.ok(tol) && e_dv.ok(tol) && (pr.dbias_n == 0 || e_db.ok(tol)) &&
-                  bad_pad == 0 && bad_zero == 0;
+  auto close = [&](const ErrStat& e) { return c.exact ? e.ok_fp32() : e.ok(tol); };
+  const bool ok = close(e_dq) && close(e_dk) && close(e_dv) && (pr.dbias_n == 0 || close(e_db)) && bad_pad == 0 &&
+                  bad_zero == 0;
   std::printf("%-4s %-58s rel err dq %.1e dk %.1e dv %.1e", ok ? "PASS" : "FAIL", c.name.c_str(),
               e_dq.max_err / std::max(e_dq.max_ref, 1e-3), e_dk.max_err / std::max(e_dk.max_ref, 1e-3),
               e_dv.max_err / std::max(e_dv.max_ref, 1e-3));
   if (pr.dbias_n) std::printf(" dbias %.1e", e_db.max_err / std::max(e_db.max_ref, 1e-3));
-  std::printf(" (tol %.0e)", tol);
+  if (c.exact)
+    std::printf(" (tol 2e-05 x max(1, max|ref|))");
+  else
+    std::printf(" (tol %.0e)", tol);
   const int64_t bad = e_dq.bad + e_dk.bad + e_dv.bad + e_db.bad;
   if (bad || bad_pad || bad_zero)
     std::printf("  non-finite %lld, pad writes %lld, nonzero-where-zero %lld", (long long)bad, (long long)bad_pad,
@@ -624,6 +644,20 @@ int main(int argc, char** argv) {
        Bias::kHeads, true, Mask::kRandom, false, false, Layout::kBTNH, 0.f},
       {"f32 T60 S80 H96", f32, 1, 2, 1, 60, 80, 96, kUnb, kUnb, false, Bias::kNone, false,
        Mask::kNone, false, false, Layout::kBTNH, 0.f},
+      // kExactF32: fast and general variants, head dims 64 / 72 / 128 / 256
+      // (and 32 / 192), odd shapes, causal, GQA, bias + dbias, mask, lengths, dlse.
+      exact({"f32 causal T113 S203 H64", f32, 2, 3, 3, 113, 203, 64, kUnb, 0}),
+      exact({"f32 T77 S130 H72 causal GQA", f32, 2, 4, 2, 77, 130, 72, kUnb, 0}),
+      exact({"f32 T128 S128 H128", f32, 1, 2, 2, 128, 128, 128}),
+      exact({"f32 T40 S70 H256", f32, 1, 2, 2, 40, 70, 256}),
+      exact({"f32 T65 S33 H32 mask + bias f32 + dbias", f32, 2, 2, 2, 65, 33, 32, kUnb, kUnb, false,
+             Bias::kFullF32, true, Mask::kRandom}),
+      exact({"f32 bias (N,T,S) over batch + dbias causal T70 S90 H64", f32, 3, 4, 2, 70, 90, 64, kUnb, 0, false,
+             Bias::kHeads, true}),
+      exact({"f32 MQA N4 K1 causal T130 S130 H64 + dlse", f32, 1, 4, 1, 130, 130, 64, kUnb, 0, false, Bias::kNone,
+             false, Mask::kNone, false, true}),
+      exact({"f32 T50 S100 H192 lens", f32, 3, 2, 2, 50, 100, 192, kUnb, kUnb, false, Bias::kNone, false,
+             Mask::kNone, true}),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
@@ -640,6 +674,7 @@ int main(int argc, char** argv) {
       {"f16 T1000 S3000 H64 bias (N,T,S) + dbias", f16, 2, 4, 4, 1000, 3000, 64, kUnb, kUnb, false, Bias::kHeads,
        true},
       {"f32 T777 S999 H96 window (100, 50)", f32, 2, 4, 2, 777, 999, 96, 100, 50},
+      exact({"f32 causal GQA N8 K2 T1000 S1000 H128", f32, 1, 8, 2, 1000, 1000, 128, kUnb, 0}),
   };
   if (quick) det.clear();
   for (const Case& c : det) (run_determinism(c, 3, rng) ? passed : failed)++;
