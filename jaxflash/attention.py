@@ -365,23 +365,67 @@ def _flash_bwd(config, residuals, cotangents):
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
-  # Δ = rowsum(dO ∘ O) - dlse, from the float32 output: from the output rounded to
-  # 16 bits, the gradients of sharply peaked attention (and of a bias that is
-  # constant along the keys) come out several times worse than jax.nn's.
-  delta = jnp.sum(d_out.astype(jnp.float32) * out32, axis=-1)
+  delta = _delta(d_out, out32, tf32=q.dtype == jnp.float32 and not config.has(prims.EXACT_F32))
   if not isinstance(d_lse, SymbolicZero):
     delta = delta - d_lse.astype(jnp.float32)
   grad_layouts = {"d_o": config.layout("o"), "delta": config.layout("lse"),
                   "dq": config.layout("q"), "dk": config.layout("k"), "dv": config.layout("v")}
   flags = config.flags
-  if want_dbias.value:
+  # A bias constant along the keys shifts each row's logits by a constant, which the softmax
+  # ignores: its gradient is the lse's cotangent on rows that see a key, in closed form. The
+  # kernel's sum of dS over the keys would carry Δ's rounding instead of 0 (Δ comes from O, whose
+  # P·V product rounds P to the input dtype), several times jax.nn's error for such a bias.
+  closed_form_dbias = want_dbias.value and (bias.ndim == 0 or bias.shape[-1] == 1)
+  if want_dbias.value and not closed_form_dbias:
     grad_layouts["dbias"] = config.layout("bias")
     flags |= prims.HAS_DBIAS
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
   dq, dk, dv, dbias, _ = prims.backward_p.bind(
       q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, q.dtype), lse, delta,
       d_out.astype(q.dtype), config=bwd_config)
+  if closed_form_dbias:
+    dbias = _row_shift_gradient(d_lse, lse, bias)
   return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None
+
+
+def _delta(d_out, out32, *, tf32: bool):
+  """Δ = rowsum(dO ∘ O) before the lse's cotangent, from the float32 output: from the output
+  rounded to 16 bits, the gradients of sharply peaked attention come out several times worse
+  than jax.nn's.
+
+  With tf32 products (float32 on CUDA, default precision), dO is rounded to tf32 first, as the
+  kernel's dP = dO·Vᵀ rounds it: Δ must equal Σ P∘dP of the kernel's own dP, or dS = P∘(dP - Δ)
+  keeps a rounding residue where it cancels to 0 exactly (one visible key: dk and dbias are 0).
+  The CPU kernels are float32-exact, so only the CUDA lowering rounds."""
+  exact = lambda d_out, out32: jnp.sum(d_out.astype(jnp.float32) * out32, axis=-1)
+  if not tf32:
+    return exact(d_out, out32)
+  rounded = lambda d_out, out32: exact(_round_to_tf32(d_out.astype(jnp.float32)), out32)
+  return jax.lax.platform_dependent(d_out, out32, cuda=rounded, default=exact)
+
+
+def _round_to_tf32(x):
+  """float32 to the nearest tf32 value (10 mantissa bits, ties away from zero: cvt.rna)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32)
+
+
+def _row_shift_gradient(d_lse, lse, bias):
+  """The gradient of a bias that is constant along the keys: d_lse on rows that see a key
+  (finite lse), 0 elsewhere, summed over the bias's broadcast axes. lse is (B, T, N) / (T, N) /
+  (T,); the bias is broadcastable to (B, N, T, 1) / (N, T, 1) / (T, 1)."""
+  if isinstance(d_lse, SymbolicZero):
+    return jnp.zeros(bias.shape, bias.dtype)
+  g = jnp.where(jnp.isfinite(lse), d_lse.astype(jnp.float32), 0.0)
+  if g.ndim >= 2:  # (..., T, N) -> (..., N, T), the logits' order
+    g = jnp.swapaxes(g, -1, -2)
+  g = g[..., None]
+  lead = g.ndim - bias.ndim
+  g = jnp.sum(g, axis=tuple(range(lead)))
+  g = jnp.sum(g, axis=tuple(i for i, n in enumerate(bias.shape) if n == 1 and g.shape[i] != 1),
+              keepdims=True)
+  return g.astype(bias.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
