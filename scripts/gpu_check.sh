@@ -76,9 +76,9 @@ if want bench; then
     step "$tool" "$tool.log" 100 env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" \
       --kernel-name kns=jaxflash --error-exitcode 1 python3 "$REPO/scripts/sanitize_cases.py"
   done
-  step bench bench.log 270 python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
+  step bench bench.log 300 python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
     --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
-  step main_job main_job.log 45 python3 -m jaxflash --dtype bfloat16 --seqlens 4096,16384 --heads 16 \
+  step main_job main_job.log 150 python3 -m jaxflash --dtype bfloat16 --seqlens 4096,16384 --heads 16 \
     --head-dim 128 --batch 1
 fi
 

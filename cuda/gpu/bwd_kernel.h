@@ -223,8 +223,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const T* k = inst.origin<const T>(p, p.k) + n0 * p.k.row_stride;
     const T* v = inst.origin<const T>(p, p.v) + n0 * p.v.row_stride;
     const int kv_rows = static_cast<int>(min(b.kv_len - n0, int64_t{BN}));
+    // Every warp is past its last reads of the previous instance's tiles (sK / sV in the dQ
+    // GEMM, the Q / dO stages in the dK / dV GEMMs) before the loads below overwrite them: the
+    // dQ step has no CTA barrier, so nothing else orders them.
+    __syncthreads();
     if (k != k_resident || v != v_resident || kv_rows != kv_rows_resident) {
-      __syncthreads();  // every warp is past its last read of sK / sV (the dQ GEMM)
       load_tile<kThreads>(sK, k, p.k.row_stride, kv_rows, head_dim, k_vec, tid);
       load_tile<kThreads>(sV, v, p.v.row_stride, kv_rows, head_dim, v_vec, tid);
       k_resident = k, v_resident = v, kv_rows_resident = kv_rows;
