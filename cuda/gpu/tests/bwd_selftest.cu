@@ -36,23 +36,9 @@
 #include <vector>
 
 #include "../backward.h"
-
-using jaxflash::ArrayView;
-using jaxflash::AttentionParams;
-using jaxflash::DType;
-
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "selftest_util.h"
 
 namespace {
-
-constexpr int64_t kUnb = jaxflash::kUnbounded;
 
 // Bias shapes (all broadcast to B, N, T, S); dbias has the bias's shape.
 enum class Bias {
@@ -82,72 +68,7 @@ struct Case {
   bool exact = false;  // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
 };
 
-// An f32 case run with kExactF32.
-Case exact(Case c) {
-  c.exact = true;
-  c.name = "exact " + c.name;
-  return c;
-}
-
-int elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-// Host storage of dtype-t values as raw bits.
-struct HostArray {
-  DType t;
-  std::vector<uint8_t> bits;
-  HostArray(DType t_, size_t n, uint8_t fill = 0) : t(t_), bits(n * elem_bytes(t_), fill) {}
-  size_t size() const { return bits.size() / elem_bytes(t); }
-  // Stores x rounded to t; returns the rounded value.
-  double set(size_t i, double xd) {
-    const float x = static_cast<float>(xd);
-    if (t == DType::kF32) {
-      std::memcpy(&bits[4 * i], &x, 4);
-      return x;
-    } else if (t == DType::kF16) {
-      const __half h = __float2half_rn(x);
-      std::memcpy(&bits[2 * i], &h, 2);
-      return __half2float(h);
-    } else {
-      const __nv_bfloat16 h = __float2bfloat16_rn(x);
-      std::memcpy(&bits[2 * i], &h, 2);
-      return __bfloat162float(h);
-    }
-  }
-  double get(size_t i) const {
-    float x;
-    if (t == DType::kF32) {
-      std::memcpy(&x, &bits[4 * i], 4);
-    } else if (t == DType::kF16) {
-      __half h;
-      std::memcpy(&h, &bits[2 * i], 2);
-      x = __half2float(h);
-    } else {
-      __nv_bfloat16 h;
-      std::memcpy(&h, &bits[2 * i], 2);
-      x = __bfloat162float(h);
-    }
-    return x;
-  }
-};
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuffer(size_t n) : bytes(n) { CHECK_CUDA(cudaMalloc(&ptr, n ? n : 1)); }
-  DeviceBuffer(const void* host, size_t n) : DeviceBuffer(n) {
-    CHECK_CUDA(cudaMemcpy(ptr, host, n, cudaMemcpyHostToDevice));
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void download(void* host) const { CHECK_CUDA(cudaMemcpy(host, ptr, bytes, cudaMemcpyDeviceToHost)); }
-};
-
-void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int64_t row, int64_t col) {
-  v.data = data;
-  v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
-  v.row_stride = row, v.col_stride = col;
-}
+Case exact(Case c) { return exact_variant(c); }
 
 // Everything one case needs on both sides.
 struct Problem {
@@ -155,11 +76,9 @@ struct Problem {
   int G, Hp;  // group size; per-head pitch of q-like and k-like arrays (H + 8 pad columns)
   AttentionParams p;
   HostArray q, k, v, o, d_o;
-  std::vector<double> qv, kv, vv, ov, dov;  // the rounded inputs, in double
   std::vector<double> o_exact;               // the output before rounding
   std::vector<float> lse, dlse, delta_in;    // delta_in: rowsum(dO o O_exact) - dlse, BNT
   HostArray bias;
-  std::vector<double> biasv;
   std::vector<uint8_t> mask;
   std::vector<int32_t> q_lens, kv_lens;
   size_t bias_n = 0, dbias_n = 0;
@@ -206,14 +125,13 @@ struct Problem {
         bias(c_.bias == Bias::kHeads ? c_.dtype : DType::kF32, 1) {
     const int B = c.B, N = c.N, K = c.K, T = c.T, S = c.S, H = c.H;
     std::uniform_real_distribution<double> uni(-1.0, 1.0);
-    auto fill = [&](HostArray& a, std::vector<double>& val, double amp) {
-      val.assign(a.size(), 0.0);
-      for (size_t i = 0; i < a.size(); ++i) val[i] = a.set(i, amp * uni(rng));
+    auto fill = [&](HostArray& a, double amp) {  // the rounded values stay in a.val
+      for (size_t i = 0; i < a.size(); ++i) a.set(i, amp * uni(rng));
     };
-    fill(q, qv, 2.0);
-    fill(k, kv, 2.0);
-    fill(v, vv, 1.0);
-    fill(d_o, dov, 1.0);
+    fill(q, 2.0);
+    fill(k, 2.0);
+    fill(v, 1.0);
+    fill(d_o, 1.0);
 
     p = AttentionParams{};
     p.dtype = c.dtype;
@@ -256,7 +174,7 @@ struct Problem {
     }
     if (bias_n) {
       bias = HostArray(c.bias == Bias::kHeads ? c.dtype : DType::kF32, bias_n);
-      fill(bias, biasv, 2.0);
+      fill(bias, 2.0);
     }
     dbias_n = c.dbias ? bias_n : 0;
 
@@ -267,7 +185,6 @@ struct Problem {
     std::uniform_real_distribution<float> unif(-1.f, 1.f);
     if (c.dlse)
       for (auto& x : dlse) x = unif(rng);
-    ov.assign(o.size(), 0.0);
     o_exact.assign(o.size(), 0.0);
     delta_in.assign(size_t(B) * N * T, 0.f);
     std::vector<double> prob(S);
@@ -281,12 +198,12 @@ struct Problem {
           for (int h = 0; h < H; ++h) {
             double acc = 0;
             for (int s = 0; s < S; ++s)
-              if (prob[s] != 0) acc += prob[s] * vv[kv_index(b, kh, s, h)];
-            ov[q_index(b, n, t, h)] = o.set(q_index(b, n, t, h), acc);
+              if (prob[s] != 0) acc += prob[s] * v.val[kv_index(b, kh, s, h)];
+            o.set(q_index(b, n, t, h), acc);
             o_exact[q_index(b, n, t, h)] = acc;
           }
           double delta = -dlse[row_index(b, n, t)];
-          for (int h = 0; h < H; ++h) delta += dov[q_index(b, n, t, h)] * o_exact[q_index(b, n, t, h)];
+          for (int h = 0; h < H; ++h) delta += d_o.val[q_index(b, n, t, h)] * o_exact[q_index(b, n, t, h)];
           delta_in[row_index(b, n, t)] = static_cast<float>(delta);
         }
       }
@@ -301,8 +218,8 @@ struct Problem {
     for (int s = 0; s < S; ++s) {
       if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s)) continue;
       double dot = 0;
-      for (int h = 0; h < H; ++h) dot += qv[q_index(b, n, t, h)] * kv[kv_index(b, kh, s, h)];
-      logit[s] = p.scale * dot + (bias_n ? biasv[bias_index(b, n, t, s)] : 0.0);
+      for (int h = 0; h < H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, kh, s, h)];
+      logit[s] = p.scale * dot + (bias_n ? bias.val[bias_index(b, n, t, s)] : 0.0);
       mx = std::max(mx, logit[s]);
     }
     double sum = 0;
@@ -435,12 +352,12 @@ bool run_case(const Case& c, std::mt19937& rng) {
           ds[s] = 0;
           if (prob[s] == 0) continue;
           double dp = 0;
-          for (int h = 0; h < H; ++h) dp += pr.dov[pr.q_index(b, n, t, h)] * pr.vv[pr.kv_index(b, kh, s, h)];
+          for (int h = 0; h < H; ++h) dp += pr.d_o.val[pr.q_index(b, n, t, h)] * pr.v.val[pr.kv_index(b, kh, s, h)];
           ds[s] = prob[s] * (dp - delta);
           for (int h = 0; h < H; ++h) {
-            rdq[pr.q_index(b, n, t, h)] += pr.p.scale * ds[s] * pr.kv[pr.kv_index(b, kh, s, h)];
-            rdk[pr.kv_index(b, kh, s, h)] += pr.p.scale * ds[s] * pr.qv[pr.q_index(b, n, t, h)];
-            rdv[pr.kv_index(b, kh, s, h)] += prob[s] * pr.dov[pr.q_index(b, n, t, h)];
+            rdq[pr.q_index(b, n, t, h)] += pr.p.scale * ds[s] * pr.k.val[pr.kv_index(b, kh, s, h)];
+            rdk[pr.kv_index(b, kh, s, h)] += pr.p.scale * ds[s] * pr.q.val[pr.q_index(b, n, t, h)];
+            rdv[pr.kv_index(b, kh, s, h)] += prob[s] * pr.d_o.val[pr.q_index(b, n, t, h)];
           }
           if (pr.dbias_n) rdbias[pr.bias_index(b, n, t, s)] += ds[s];
         }

@@ -25,23 +25,9 @@
 #include <vector>
 
 #include "../forward.h"
-
-using jaxflash::ArrayView;
-using jaxflash::AttentionParams;
-using jaxflash::DType;
-
-#define CHECK_CUDA(x)                                                                               \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-      std::exit(2);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "selftest_util.h"
 
 namespace {
-
-constexpr int64_t kUnb = jaxflash::kUnbounded;
 
 enum class Bias { kNone, kF32QueryKey, kDtypeHeads, kF32RowOnly };  // (T,S) f32 | (N,T,S) dtype | (B,T) f32, col stride 0
 enum class Mask { kNone, kRandom, kKeyPadding };                    // (B,T,S) + a fully masked row | (S) broadcast
@@ -62,65 +48,7 @@ struct Case {
   bool exact = false;    // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
 };
 
-// An f32 case run with kExactF32.
-Case exact(Case c) {
-  c.exact = true;
-  c.name = "exact " + c.name;
-  return c;
-}
-
-int elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-// Host storage of dtype-t values as raw bits, plus the rounded values in double.
-struct HostArray {
-  DType t;
-  std::vector<uint8_t> bits;
-  std::vector<double> val;
-  HostArray(DType t_, size_t n) : t(t_), bits(n * elem_bytes(t_)), val(n) {}
-  void set(size_t i, float x) {
-    if (t == DType::kF32) {
-      std::memcpy(&bits[4 * i], &x, 4);
-      val[i] = x;
-    } else if (t == DType::kF16) {
-      const __half h = __float2half_rn(x);
-      std::memcpy(&bits[2 * i], &h, 2);
-      val[i] = __half2float(h);
-    } else {
-      const __nv_bfloat16 h = __float2bfloat16_rn(x);
-      std::memcpy(&bits[2 * i], &h, 2);
-      val[i] = __bfloat162float(h);
-    }
-  }
-  double get(size_t i) const {
-    float x;
-    if (t == DType::kF32) {
-      std::memcpy(&x, &bits[4 * i], 4);
-    } else if (t == DType::kF16) {
-      __half h;
-      std::memcpy(&h, &bits[2 * i], 2);
-      x = __half2float(h);
-    } else {
-      __nv_bfloat16 h;
-      std::memcpy(&h, &bits[2 * i], 2);
-      x = __bfloat162float(h);
-    }
-    return x;
-  }
-};
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, bytes ? bytes : 1)); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int64_t row, int64_t col) {
-  v.data = data;
-  v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
-  v.row_stride = row, v.col_stride = col;
-}
+Case exact(Case c) { return exact_variant(c); }
 
 bool run_case(const Case& c, std::mt19937& rng) {
   const int B = c.B, N = c.N, K = c.K, G = N / K, T = c.T, S = c.S, H = c.H;

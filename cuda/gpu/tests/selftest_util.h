@@ -1,0 +1,109 @@
+// What the forward and backward self-tests share: CUDA error checks, host
+// arrays of dtype values, device buffers, strided views and the exact-float32
+// variant of a case. Included by exactly one translation unit each.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../../params.h"
+
+#define CHECK_CUDA(x)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+namespace {
+
+using jaxflash::ArrayView;
+using jaxflash::AttentionParams;
+using jaxflash::DType;
+
+constexpr int64_t kUnb = jaxflash::kUnbounded;
+
+// A float32 case run with kExactF32 (3xTF32 MMAs, held to fp32 accuracy);
+// each self-test wraps it as exact(Case) for braced case lists.
+template <class Case>
+Case exact_variant(Case c) {
+  c.exact = true;
+  c.name = "exact " + c.name;
+  return c;
+}
+
+int elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Host storage of dtype-t values as raw bits (what the kernel reads or wrote),
+// plus, for values stored with set(), the rounded values in double.
+struct HostArray {
+  DType t;
+  std::vector<uint8_t> bits;
+  std::vector<double> val;
+  HostArray(DType t_, size_t n, uint8_t fill = 0) : t(t_), bits(n * elem_bytes(t_), fill), val(n) {}
+  size_t size() const { return val.size(); }
+  // Stores x rounded to t; returns the rounded value.
+  double set(size_t i, double xd) {
+    const float x = static_cast<float>(xd);
+    if (t == DType::kF32) {
+      std::memcpy(&bits[4 * i], &x, 4);
+      val[i] = x;
+    } else if (t == DType::kF16) {
+      const __half h = __float2half_rn(x);
+      std::memcpy(&bits[2 * i], &h, 2);
+      val[i] = __half2float(h);
+    } else {
+      const __nv_bfloat16 h = __float2bfloat16_rn(x);
+      std::memcpy(&bits[2 * i], &h, 2);
+      val[i] = __bfloat162float(h);
+    }
+    return val[i];
+  }
+  // Element i of the bits (also after a download into them).
+  double get(size_t i) const {
+    float x;
+    if (t == DType::kF32) {
+      std::memcpy(&x, &bits[4 * i], 4);
+    } else if (t == DType::kF16) {
+      __half h;
+      std::memcpy(&h, &bits[2 * i], 2);
+      x = __half2float(h);
+    } else {
+      __nv_bfloat16 h;
+      std::memcpy(&h, &bits[2 * i], 2);
+      x = __bfloat162float(h);
+    }
+    return x;
+  }
+};
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { CHECK_CUDA(cudaMalloc(&ptr, n ? n : 1)); }
+  DeviceBuffer(const void* host, size_t n) : DeviceBuffer(n) {
+    CHECK_CUDA(cudaMemcpy(ptr, host, n, cudaMemcpyHostToDevice));
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void download(void* host) const { CHECK_CUDA(cudaMemcpy(host, ptr, bytes, cudaMemcpyDeviceToHost)); }
+};
+
+// Instance strides (batch, kv head, group), row and column strides.
+void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int64_t row, int64_t col) {
+  v.data = data;
+  v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
+  v.row_stride = row, v.col_stride = col;
+}
+
+}  // namespace
