@@ -60,10 +60,9 @@ struct BwdConfig {
   using PTile = SmemTile<T, kBlockM, kBlockN>;  // P and dS, [query][key]
   static constexpr int kQStages = kTiles.q_stages;
   static_assert(kQStages == 1 || kQStages == 2, "Q / dO single or double buffered");
-  // Q[stages], dO[stages], K, V, P, dS; on sm_90 then one dQ chunk staged in
-  // fp32 for the bulk reduction.
+  // Q[stages], dO[stages], K, V, P, dS; on sm_90 the dQ stage follows (the
+  // launcher sizes it: bwd_smem_bytes with dq_bulk).
   static constexpr int kSmemBytes = bwd_smem_bytes(kTiles, sizeof(T), D, false);
-  static constexpr int kDqStageBytes = bwd_smem_bytes(kTiles, sizeof(T), D, true) - kSmemBytes;
   static_assert(kSmemBytes == 2 * kQStages * QTile::kBytes + 2 * KTile::kBytes + 2 * PTile::kBytes, "layout");
   // The dbias kernel needs no P / dS tiles.
   static constexpr int kDbiasSmemBytes = 2 * QTile::kBytes + 2 * KTile::kBytes;

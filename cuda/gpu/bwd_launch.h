@@ -27,7 +27,7 @@ template <class T, int D, bool kGeneral, F32Mma M>
 cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   using Cfg = BwdConfig<T, D, kGeneral, M>;
   auto* kernel = &backward_kernel<Cfg>;
-  const int smem = Cfg::kSmemBytes + (rt.dq_bulk ? Cfg::kDqStageBytes : 0);
+  const int smem = bwd_smem_bytes(Cfg::kTiles, sizeof(T), D, rt.dq_bulk);  // as backward.cu checks it
   if (const cudaError_t err = raise_smem_limit(kernel, smem); err != cudaSuccess) return err;
   const int64_t blocks = rt.kv_kept * rt.k_tiles;
   if (blocks == 0) return cudaSuccess;
