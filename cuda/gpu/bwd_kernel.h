@@ -91,7 +91,7 @@ __device__ __forceinline__ void accumulate_dq(float* acc, int* sems, int target,
   for (int c = 0; c < Cfg::kQChunks; ++c) {
     float dq[MF][NF][4];
     zero_frags(dq);
-    warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kKN, Cfg::kBlockN, Cfg::kTiles.unroll>(dq, sdS, row0, sK, c * Cfg::kQChunkCols + col0, lane);
+    warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kKN, Cfg::kBlockN>(dq, sdS, row0, sK, c * Cfg::kQChunkCols + col0, lane);
 #if JF_BWD_DQ_BULK
     float* const warp_stage = stage + warp * kWarpFloats;
     if (lane == 0) {
@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       __syncthreads();
 
       // dV += P^T dO, dK += dS^T Q (scale applied at the end).
-      warp_gemm<T, Cfg::kF32Mma, AOrder::kKM, BOrder::kKN, BM, Cfg::kTiles.unroll>(dv, sP, kv_row0, sdO, kv_col0, lane);
-      warp_gemm<T, Cfg::kF32Mma, AOrder::kKM, BOrder::kKN, BM, Cfg::kTiles.unroll>(dk, sdS, kv_row0, sQ, kv_col0, lane);
+      warp_gemm<T, Cfg::kF32Mma, AOrder::kKM, BOrder::kKN, BM>(dv, sP, kv_row0, sdO, kv_col0, lane);
+      warp_gemm<T, Cfg::kF32Mma, AOrder::kKM, BOrder::kKN, BM>(dk, sdS, kv_row0, sQ, kv_col0, lane);
       if (kStages == 1) {
         __syncthreads();  // sQ, sdO free: fetch the next tile behind the dQ step
         if (i < i_last) load_q_tile(m0 + BM, 0);

@@ -63,7 +63,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
     }
 
   zero_frags(pr);
-  warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D, Cfg::kTiles.unroll>(pr, sQ, row0, sK, col0, lane);
+  warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D>(pr, sQ, row0, sK, col0, lane);
 
   const ScoreBlock blk(p, b, m0 + row0, n0 + col0);
   bool biased = false;
@@ -107,7 +107,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
       for (int i = 0; i < 4; ++i) pr[mf][nf][i] = fast_exp2(pr[mf][nf][i]);  // exp2(-inf) = 0
 
   zero_frags(ds);
-  warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D, Cfg::kTiles.unroll>(ds, sdO, row0, sV, col0, lane);
+  warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D>(ds, sdO, row0, sV, col0, lane);
   // P = 0 (masked, or a row without gradient) gives dS = 0 exactly, whatever dP
   // is: an inf in V cannot leak into invisible positions as 0 * inf = NaN.
 #pragma unroll

@@ -17,11 +17,10 @@
 // fragment more. That is why the 16-bit D = 64 / 128 fast variants take
 // 128-key tiles (warp tiles 32 x 32 for S / dP / dQ and 32 x 64 for dK / dV,
 // FlashAttention-2's shapes): on an H100, D = 128 went from 128 to 183 TFLOP/s
-// (N = 4k) against 64 x 64 tiles, and D = 64 from 138 to 168 with 128 x 128;
-// unrolling 4 k steps at D = 128 gained 2% more, 1 or 4 at D = 64 lost 4-15%.
-// Both spill a few registers (about 60 words at sm_90); every
-// other row compiles without spills at 255 registers (8 warps, one CTA per
-// SM). Double-buffered Q / dO (q_stages = 2) loads the next Q tile during the
+// (N = 4k) against 64 x 64 tiles, and D = 64 from 138 to 168 with 128 x 128.
+// Both spill some registers at sm_90 (about 100 words, outside the GEMMs'
+// inner steps); every other row compiles without spills at 255 registers
+// (8 warps, one CTA per SM). Double-buffered Q / dO (q_stages = 2) loads the next Q tile during the
 // whole current one. The general variant (bias / mask / unaligned rows) needs
 // registers for those and keeps 64-key tiles; it shares BLOCK_M and the dQ
 // grid with the fast one (the workspace layout). fp32 (tf32) tiles are twice
@@ -60,7 +59,6 @@ struct BwdTiles {
   int q_warps_m;   // warp rows of the dQ grid
   int q_chunks;    // the dQ GEMM runs in this many column chunks (registers)
   int min_blocks;  // __launch_bounds__ minimum CTAs per SM
-  int unroll;      // k steps of a warp GEMM unrolled together (more: more registers in flight)
   int q_stages = 1;  // Q / dO buffers: 2 loads the next Q tile during the whole current one
 };
 
@@ -74,21 +72,21 @@ __host__ __device__
 constexpr BwdTiles bwd_tiles(int elem_bytes, int d, bool general) {
   if (elem_bytes == 2) {
     switch (d) {
-      case 32: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 8, 4, 1, 1, 4};
-      case 64: return general ? BwdTiles{128, 64, 8, 4, 4, 4, 1, 1, 2} : BwdTiles{128, 128, 8, 4, 4, 4, 1, 1, 2, 2};
-      case 96: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
-      case 128: return general ? BwdTiles{64, 64, 8, 4, 4, 2, 1, 1, 2} : BwdTiles{64, 128, 8, 2, 4, 2, 1, 1, 4, 2};
-      case 192: return {64, 64, 8, 4, 4, 4, 2, 1, 2};
-      default: return {64, 64, 8, 4, 4, 4, 2, 1, 2};  // 256
+      case 32: return general ? BwdTiles{64, 64, 8, 4, 4, 4, 1, 1} : BwdTiles{64, 128, 8, 2, 8, 4, 1, 1};
+      case 64: return general ? BwdTiles{128, 64, 8, 4, 4, 4, 1, 1} : BwdTiles{128, 128, 8, 4, 4, 4, 1, 1, 2};
+      case 96: return {64, 64, 8, 4, 4, 4, 1, 1};
+      case 128: return general ? BwdTiles{64, 64, 8, 4, 4, 2, 1, 1} : BwdTiles{64, 128, 8, 2, 4, 2, 1, 1, 2};
+      case 192: return {64, 64, 8, 4, 4, 4, 2, 1};
+      default: return {64, 64, 8, 4, 4, 4, 2, 1};  // 256
     }
   }
   switch (d) {
-    case 32: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
-    case 64: return {64, 64, 8, 4, 4, 4, 1, 1, 2};
-    case 96: return {32, 64, 8, 2, 4, 2, 1, 1, 2};
-    case 128: return {32, 64, 8, 2, 4, 2, 1, 1, 2};
-    case 192: return {32, 32, 8, 2, 2, 2, 1, 1, 2};
-    default: return {32, 32, 8, 2, 2, 2, 1, 1, 2};  // 256
+    case 32: return {64, 64, 8, 4, 4, 4, 1, 1};
+    case 64: return {64, 64, 8, 4, 4, 4, 1, 1};
+    case 96: return {32, 64, 8, 2, 4, 2, 1, 1};
+    case 128: return {32, 64, 8, 2, 4, 2, 1, 1};
+    case 192: return {32, 32, 8, 2, 2, 2, 1, 1};
+    default: return {32, 32, 8, 2, 2, 2, 1, 1};  // 256
   }
 }
 

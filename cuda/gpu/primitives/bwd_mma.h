@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "ptx.h"
 #include "smem_tile.h"
@@ -43,6 +45,13 @@ enum class BOrder { kNK, kKN };
 template <class T, F32Mma M = F32Mma::kTf32>
 struct BwdFrag;
 
+// Every load takes its tile's per-lane Cursor (smem_tile.h) and compile-time
+// offsets from it: (MI, K0) for an A fragment (rows m0 + 16 MI of the warp
+// block, k from K0), (NI, K0) for B (columns n0 + 8 NI). The cursors come from
+// a_cursor / b_cursor at the warp block's origin (m0, n0); kABits / kBBits
+// are the swizzle bits their chunk index can have (SmemTile::chunk_bits), for
+// a warp block of MF m16 x NF n8 fragments whose origin is a multiple of it.
+//
 // fp16 / bf16, mma.m16n8k16. A: a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..),
 // a3 (g+8, 2t+8..); B: b0 (k 2t.., n g), b1 (k 2t+8.., n g). Everything
 // through ldmatrix, transposing where the tile is stored the other way.
@@ -52,35 +61,48 @@ struct BwdFrag16 {
   using AFrag = uint32_t[4];  // the registers of one operand fragment
   using BFrag = uint32_t[2];
 
+  // kMK: matrix i = lane / 8 holds (m 8(i&1).., k 8(i>>1)..), rows m.
+  // kKM: the same matrices stored as rows k, read transposed.
   template <AOrder O, class Tile>
-  __device__ __forceinline__ static void load_a(uint32_t (&a)[4], const Tile& t, int m0, int k0, int lane) {
-    if constexpr (O == AOrder::kMK) {
-      ldmatrix_x4(a, t.saddr(m0 + (lane & 15), k0 + (lane >> 4) * 8));
-    } else {
-      // Matrix i = lane / 8 holds (m 8(i&1).., k 8(i>>1)..), stored as rows k.
-      const int i = lane >> 3;
-      ldmatrix_x4_trans(a, t.saddr(k0 + (lane & 7) + (i >> 1) * 8, m0 + (i & 1) * 8));
-    }
+  __device__ __forceinline__ static typename Tile::Cursor a_cursor(const Tile& t, int m0, int lane) {
+    if constexpr (O == AOrder::kMK) return t.cursor(m0 + (lane & 15), (lane >> 4) * 8);
+    else return t.cursor((lane & 7) + (lane >> 4) * 8, m0 + ((lane >> 3) & 1) * 8);
+  }
+  template <AOrder O, class Tile, int MF>
+  static constexpr int kABits = O == AOrder::kMK ? Tile::chunk_bits(1, 0) : Tile::chunk_bits(1, 16 * MF);
+
+  template <AOrder O, int MI, int K0, int kBits, class Tile>
+  __device__ __forceinline__ static void load_a(uint32_t (&a)[4], const Tile& t, const typename Tile::Cursor& c) {
+    if constexpr (O == AOrder::kMK) ldmatrix_x4(a, t.template addr_at<16 * MI, K0, kBits>(c));
+    else ldmatrix_x4_trans(a, t.template addr_at<K0, 16 * MI, kBits>(c));
   }
 
-  // Two n8 fragments at n0, n0 + 8.
+  // B in pairs of n8 fragments: matrices (n 0.., k 0..), (n 0.., k 8..),
+  // (n 8.., k 0..), (n 8.., k 8..). kNK: rows n; kKN: rows k, read transposed.
   template <BOrder O, class Tile>
-  __device__ __forceinline__ static void load_b2(uint32_t (&b)[2][2], const Tile& t, int n0, int k0, int lane) {
+  __device__ __forceinline__ static typename Tile::Cursor b_cursor(const Tile& t, int n0, int lane) {
+    if constexpr (O == BOrder::kNK) return t.cursor(n0 + (lane & 7) + ((lane >> 4) << 3), ((lane >> 3) & 1) * 8);
+    else return t.cursor((lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8);
+  }
+  template <BOrder O, class Tile, int NF>
+  static constexpr int kBBits = O == BOrder::kNK ? Tile::chunk_bits(1, 0) : Tile::chunk_bits(1, 8 * NF);
+
+  // Fragments NI and NI + 1.
+  template <BOrder O, int NI, int K0, int kBits, class Tile>
+  __device__ __forceinline__ static void load_b2(uint32_t (&b0)[2], uint32_t (&b1)[2], const Tile& t,
+                                                 const typename Tile::Cursor& c) {
     uint32_t r[4];
-    if constexpr (O == BOrder::kNK)
-      ldmatrix_x4(r, t.saddr(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + ((lane >> 3) & 1) * 8));
-    else
-      ldmatrix_x4_trans(r, t.saddr(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
-    b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+    if constexpr (O == BOrder::kNK) ldmatrix_x4(r, t.template addr_at<8 * NI, K0, kBits>(c));
+    else ldmatrix_x4_trans(r, t.template addr_at<K0, 8 * NI, kBits>(c));
+    b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
   }
 
-  // One n8 fragment at n0 (lanes 16..31 pass addresses too; ldmatrix ignores them).
-  template <BOrder O, class Tile>
-  __device__ __forceinline__ static void load_b1(uint32_t (&b)[2], const Tile& t, int n0, int k0, int lane) {
-    if constexpr (O == BOrder::kNK)
-      ldmatrix_x2(b, t.saddr(n0 + (lane & 7), k0 + ((lane >> 3) & 1) * 8));
-    else
-      ldmatrix_x2_trans(b, t.saddr(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0));
+  // Fragment NI alone: the first two matrices of the pair's addresses (lanes
+  // 16..31 pass addresses too; ldmatrix .x2 ignores them).
+  template <BOrder O, int NI, int K0, int kBits, class Tile>
+  __device__ __forceinline__ static void load_b1(uint32_t (&b)[2], const Tile& t, const typename Tile::Cursor& c) {
+    if constexpr (O == BOrder::kNK) ldmatrix_x2(b, t.template addr_at<8 * NI, K0, kBits>(c));
+    else ldmatrix_x2_trans(b, t.template addr_at<K0, 8 * NI, kBits>(c));
   }
 
   __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -97,9 +119,10 @@ struct BwdFrag<__nv_bfloat16, M> : BwdFrag16<__nv_bfloat16> {};
 // B: b0 (k t, n g), b1 (k t+4, n g). A 16-byte chunk is 4 floats, so ldmatrix's
 // 8x8 b16 matrix is an 8x4 fp32 one with lane l at (l/4, l%4): the
 // non-transposed orders load with ldmatrix, the transposed ones with scalar
-// loads (ldmatrix cannot transpose 32-bit elements). Operands are rounded to
-// tf32 (cvt.rna) on the way, or split into big + small tf32 parts (k3xTf32):
-// tf32_operand (ptx.h) turns each raw fp32 word into its fragment word(s).
+// loads at (k t.., m / n g..) (ldmatrix cannot transpose 32-bit elements).
+// Operands are rounded to tf32 (cvt.rna) on the way, or split into big + small
+// tf32 parts (k3xTf32): tf32_operand (ptx.h) turns each raw fp32 word into its
+// fragment word(s).
 template <F32Mma M>
 struct BwdFrag<float, M> {
   static constexpr int kK = 8;
@@ -107,49 +130,63 @@ struct BwdFrag<float, M> {
   using BFrag = Tf32Frag<M, 2>;
 
   template <AOrder O, class Tile>
-  __device__ __forceinline__ static void load_a(AFrag& a, const Tile& t, int m0, int k0, int lane) {
+  __device__ __forceinline__ static typename Tile::Cursor a_cursor(const Tile& t, int m0, int lane) {
+    if constexpr (O == AOrder::kMK) return t.cursor(m0 + (lane & 15), (lane >> 4) * 4);
+    else return t.cursor(lane & 3, m0 + (lane >> 2));
+  }
+  template <AOrder O, class Tile, int MF>
+  static constexpr int kABits = O == AOrder::kMK ? Tile::chunk_bits(1, 0) : Tile::chunk_bits(1, 16 * MF);
+
+  template <AOrder O, int MI, int K0, int kBits, class Tile>
+  __device__ __forceinline__ static void load_a(AFrag& a, const Tile& t, const typename Tile::Cursor& c) {
     uint32_t(&r)[4] = fp32_bits(a);
     if constexpr (O == AOrder::kMK) {
-      ldmatrix_x4(r, t.saddr(m0 + (lane & 15), k0 + (lane >> 4) * 4));
+      ldmatrix_x4(r, t.template addr_at<16 * MI, K0, kBits>(c));
     } else {
-      const int g = lane >> 2, q = lane & 3;
-      r[0] = t.template at<uint32_t>(k0 + q, m0 + g);
-      r[1] = t.template at<uint32_t>(k0 + q, m0 + g + 8);
-      r[2] = t.template at<uint32_t>(k0 + q + 4, m0 + g);
-      r[3] = t.template at<uint32_t>(k0 + q + 4, m0 + g + 8);
+      r[0] = lds_u32(t.template addr_at<K0, 16 * MI, kBits>(c));
+      r[1] = lds_u32(t.template addr_at<K0, 16 * MI + 8, kBits>(c));
+      r[2] = lds_u32(t.template addr_at<K0 + 4, 16 * MI, kBits>(c));
+      r[3] = lds_u32(t.template addr_at<K0 + 4, 16 * MI + 8, kBits>(c));
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) tf32_operand(a, i, r[i]);
   }
 
   template <BOrder O, class Tile>
-  __device__ __forceinline__ static void load_b2(BFrag (&b)[2], const Tile& t, int n0, int k0, int lane) {
-    uint32_t r[2][2];
+  __device__ __forceinline__ static typename Tile::Cursor b_cursor(const Tile& t, int n0, int lane) {
+    if constexpr (O == BOrder::kNK) return t.cursor(n0 + (lane & 7) + ((lane >> 4) << 3), ((lane >> 3) & 1) * 4);
+    else return t.cursor(lane & 3, n0 + (lane >> 2));
+  }
+  template <BOrder O, class Tile, int NF>
+  static constexpr int kBBits = O == BOrder::kNK ? Tile::chunk_bits(1, 0) : Tile::chunk_bits(1, 8 * NF);
+
+  template <BOrder O, int NI, int K0, int kBits, class Tile>
+  __device__ __forceinline__ static void load_b2(BFrag& b0, BFrag& b1, const Tile& t,
+                                                 const typename Tile::Cursor& c) {
+    uint32_t(&r0)[2] = fp32_bits(b0);
+    uint32_t(&r1)[2] = fp32_bits(b1);
     if constexpr (O == BOrder::kNK) {
       uint32_t x[4];
-      ldmatrix_x4(x, t.saddr(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + ((lane >> 3) & 1) * 4));
-      r[0][0] = x[0], r[0][1] = x[1], r[1][0] = x[2], r[1][1] = x[3];
+      ldmatrix_x4(x, t.template addr_at<8 * NI, K0, kBits>(c));
+      r0[0] = x[0], r0[1] = x[1], r1[0] = x[2], r1[1] = x[3];
     } else {
-      const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        r[j][0] = t.template at<uint32_t>(k0 + q, n0 + 8 * j + g);
-        r[j][1] = t.template at<uint32_t>(k0 + q + 4, n0 + 8 * j + g);
-      }
+      r0[0] = lds_u32(t.template addr_at<K0, 8 * NI, kBits>(c));
+      r0[1] = lds_u32(t.template addr_at<K0 + 4, 8 * NI, kBits>(c));
+      r1[0] = lds_u32(t.template addr_at<K0, 8 * NI + 8, kBits>(c));
+      r1[1] = lds_u32(t.template addr_at<K0 + 4, 8 * NI + 8, kBits>(c));
     }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) tf32_operand(b[j], 0, r[j][0]), tf32_operand(b[j], 1, r[j][1]);
+    tf32_operand(b0, 0, r0[0]), tf32_operand(b0, 1, r0[1]);
+    tf32_operand(b1, 0, r1[0]), tf32_operand(b1, 1, r1[1]);
   }
 
-  template <BOrder O, class Tile>
-  __device__ __forceinline__ static void load_b1(BFrag& b, const Tile& t, int n0, int k0, int lane) {
+  template <BOrder O, int NI, int K0, int kBits, class Tile>
+  __device__ __forceinline__ static void load_b1(BFrag& b, const Tile& t, const typename Tile::Cursor& c) {
     uint32_t(&r)[2] = fp32_bits(b);
     if constexpr (O == BOrder::kNK) {
-      ldmatrix_x2(r, t.saddr(n0 + (lane & 7), k0 + ((lane >> 3) & 1) * 4));
+      ldmatrix_x2(r, t.template addr_at<8 * NI, K0, kBits>(c));
     } else {
-      const int g = lane >> 2, q = lane & 3;
-      r[0] = t.template at<uint32_t>(k0 + q, n0 + g);
-      r[1] = t.template at<uint32_t>(k0 + q + 4, n0 + g);
+      r[0] = lds_u32(t.template addr_at<K0, 8 * NI, kBits>(c));
+      r[1] = lds_u32(t.template addr_at<K0 + 4, 8 * NI, kBits>(c));
     }
     tf32_operand(b, 0, r[0]), tf32_operand(b, 1, r[1]);
   }
@@ -159,39 +196,57 @@ struct BwdFrag<float, M> {
   }
 };
 
+// Calls f(std::integral_constant<int, 0>{}) ... f(<N - 1>): a loop whose
+// index is a compile-time constant in the body (template offsets).
+template <class F, int... I>
+__device__ __forceinline__ void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
 // C[MF][NF] += A . B for the warp block whose first row is m0 (of A's m) and
-// first column n0 (of B's n), reducing over k in [0, KDIM), UNROLL k steps at
-// a time. M: the float32 MMA mode (ignored for 16-bit T).
-template <class T, F32Mma M, AOrder AO, BOrder BO, int KDIM, int UNROLL, int MF, int NF, class ATile, class BTile>
+// first column n0 (of B's n), reducing over k in [0, KDIM). m0 must be a
+// multiple of 16 MF and n0 of 8 NF (the warp grids' origins are). M: the
+// float32 MMA mode (ignored for 16-bit T).
+//
+// Fully unrolled and software-pipelined: the fragments of k step s + 1 are
+// loaded (into the other of two register sets) before the MMAs of step s
+// issue, so the shared-memory latency hides behind a step of tensor-core work
+// instead of stalling each step; with 8 warps per SM there are too few other
+// warps to hide it. Every address is a cursor plus a compile-time offset.
+template <class T, F32Mma M, AOrder AO, BOrder BO, int KDIM, int MF, int NF, class ATile, class BTile>
 __device__ __forceinline__ void warp_gemm(float (&c)[MF][NF][4], const ATile& a, int m0, const BTile& b, int n0,
                                           int lane) {
   using F = BwdFrag<T, M>;
   constexpr int kSteps = KDIM / F::kK;
   static_assert(KDIM % F::kK == 0, "whole k steps");
-  constexpr int kUnroll = kSteps < UNROLL ? kSteps : UNROLL;
-#pragma unroll kUnroll
-  for (int step = 0; step < kSteps; ++step) {
-    const int k0 = step * F::kK;
-    typename F::AFrag af[MF];
+  constexpr int kABits = F::template kABits<AO, ATile, MF>;
+  constexpr int kBBits = F::template kBBits<BO, BTile, NF>;
+  const typename ATile::Cursor ca = F::template a_cursor<AO>(a, m0, lane);
+  const typename BTile::Cursor cb = F::template b_cursor<BO>(b, n0, lane);
+  typename F::AFrag af[2][MF];
+  typename F::BFrag bf[2][NF];
+  auto load_step = [&](auto step) {
+    constexpr int s = decltype(step)::value, k0 = s * F::kK, buf = s & 1;
+    static_for<MF>([&](auto mi) { F::template load_a<AO, mi.value, k0, kABits>(af[buf][mi.value], a, ca); });
+    static_for<NF / 2>([&](auto j) {
+      constexpr int ni = 2 * j.value;
+      F::template load_b2<BO, ni, k0, kBBits>(bf[buf][ni], bf[buf][ni + 1], b, cb);
+    });
+    if constexpr (NF % 2 == 1) F::template load_b1<BO, NF - 1, k0, kBBits>(bf[buf][NF - 1], b, cb);
+  };
+  load_step(std::integral_constant<int, 0>{});
+  static_for<kSteps>([&](auto step) {
+    constexpr int s = decltype(step)::value;
+    if constexpr (s + 1 < kSteps) load_step(std::integral_constant<int, s + 1>{});
 #pragma unroll
-    for (int mf = 0; mf < MF; ++mf) F::template load_a<AO>(af[mf], a, m0 + 16 * mf, k0, lane);
+    for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-    for (int nf = 0; nf + 1 < NF; nf += 2) {
-      typename F::BFrag bf[2];
-      F::template load_b2<BO>(bf, b, n0 + 8 * nf, k0, lane);
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) {
-        F::mma(c[mf][nf], af[mf], bf[0]);
-        F::mma(c[mf][nf + 1], af[mf], bf[1]);
-      }
-    }
-    if constexpr (NF % 2 == 1) {
-      typename F::BFrag bf;
-      F::template load_b1<BO>(bf, b, n0 + 8 * (NF - 1), k0, lane);
-#pragma unroll
-      for (int mf = 0; mf < MF; ++mf) F::mma(c[mf][NF - 1], af[mf], bf);
-    }
-  }
+      for (int mf = 0; mf < MF; ++mf) F::mma(c[mf][nf], af[s & 1][mf], bf[s & 1][nf]);
+  });
 }
 
 template <int MF, int NF>

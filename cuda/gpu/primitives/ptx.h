@@ -15,6 +15,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// One 32-bit shared-memory load by shared address (the fp32 fragments that
+// ldmatrix cannot transpose).
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 // 16-byte asynchronous global->shared copy. .cg: stream through L2 only; K/V
 // are reused across CTAs, not within one.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {

@@ -47,6 +47,51 @@ struct SmemTile {
   __device__ __forceinline__ U& at(int row, int col) const {
     return *reinterpret_cast<U*>(ptr + offset(row, col));
   }
+
+  // ---- Fragment loads at compile-time offsets from one per-lane position ----
+  //
+  // A warp GEMM loads every fragment of its block from offsets (DROW, DCOL)
+  // of one lane position (row, col) that it knows only at run time. Computing
+  // each swizzled address from scratch costs ~8 integer instructions per
+  // ldmatrix, on the path that feeds the tensor cores. But when DROW is a
+  // multiple of 8 the row's swizzle is unchanged, and when the chunk offset
+  // has no bit inside the swizzle field in common with the position's chunk
+  // index, adding it commutes with the XOR:
+  //   addr(row + DROW, chunk + dc) = (addr(row, chunk) ^ (dc & mask) * 16)
+  //                                  + (dc & ~mask) * 16 + DROW * pitch,
+  // one LOP3 (shared by every load with the same dc & mask) plus the
+  // instruction's immediate. That needs the tile's base and pitch to have no
+  // bits inside the field: tiles start 128-byte aligned and the pitch is a
+  // multiple of 128 bytes (or of 64 with the 2-bit field).
+  static constexpr int kSwizzleMask = kChunksPerRow % 8 == 0 ? 7 : 3;
+
+  // The swizzle-field bits a position's chunk index can have when the
+  // position is a lane offset of `lane_bits` plus a run-time origin that is a
+  // multiple of `origin_cols` columns.
+  static constexpr int chunk_bits(int lane_bits, int origin_cols) {
+    if (origin_cols % kChunkElems != 0) return kSwizzleMask;
+    const int chunks = origin_cols / kChunkElems;
+    const int align = chunks & -chunks;  // the largest power of 2 dividing it
+    return (lane_bits | ~(align - 1)) & kSwizzleMask;
+  }
+
+  struct Cursor {
+    uint32_t addr;  // shared address of (row, col)
+    int row, col;   // read only by offsets the XOR form cannot take
+  };
+  __device__ __forceinline__ Cursor cursor(int row, int col) const { return {saddr(row, col), row, col}; }
+
+  // Shared address of (c.row + DROW, c.col + DCOL), c's chunk index having
+  // at most the swizzle-field bits kChunkBits (chunk_bits).
+  template <int DROW, int DCOL, int kChunkBits>
+  __device__ __forceinline__ uint32_t addr_at(const Cursor& c) const {
+    constexpr int dc = DCOL / kChunkElems;
+    if constexpr (DROW % 8 == 0 && DCOL % kChunkElems == 0 && (dc & kSwizzleMask & kChunkBits) == 0)
+      return (c.addr ^ static_cast<uint32_t>((dc & kSwizzleMask) * 16)) + (dc & ~kSwizzleMask) * 16 +
+             DROW * kChunksPerRow * 16;
+    else
+      return saddr(c.row + DROW, c.col + DCOL);
+  }
 };
 
 // Raw bits of one element: loads and stores move bits, never convert.
