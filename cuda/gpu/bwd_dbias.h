@@ -19,7 +19,7 @@
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
 #include "instance.h"
-#include "primitives/bwd_mma.h"
+#include "primitives/warp_gemm.h"
 #include "primitives/smem_tile.h"
 #include "../params.h"
 
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int64_t t = m0 + row0 + c_row(mf, e, lane), s = n0 + col0 + c_col(nf, e, lane);
+            const int64_t t = m0 + row0 + frag_row(mf, e, lane), s = n0 + col0 + frag_col(nf, e, lane);
             if (t < p.seqlen_q && s < p.seqlen_k) out[t * out_rs + s * out_cs] = from_float<BiasT>(acc[mf][nf][e]);
           }
     } else {
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) red[wm * BN + col0 + c_col(nf, c, lane)] = col[nf][c];
+          for (int c = 0; c < 2; ++c) red[wm * BN + col0 + frag_col(nf, c, lane)] = col[nf][c];
       __syncthreads();
       if (tid < BN && n0 + tid < p.seqlen_k) {
         float x = 0.f;
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) red[wn * BM + row0 + c_row(mf, 2 * h, lane)] = rowsum[mf][h];
+      for (int h = 0; h < 2; ++h) red[wn * BM + row0 + frag_row(mf, 2 * h, lane)] = rowsum[mf][h];
   __syncthreads();
   if (tid < BM) {
     float x = 0.f;

@@ -42,7 +42,8 @@
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
 #include "instance.h"
-#include "primitives/bwd_mma.h"
+#include "primitives/dq_order.h"
+#include "primitives/warp_gemm.h"
 #include "primitives/smem_tile.h"
 #include "../params.h"
 

@@ -11,7 +11,7 @@
 #include <type_traits>
 
 #include "bwd_kernel_traits.h"
-#include "primitives/bwd_mma.h"
+#include "primitives/warp_gemm.h"
 #include "primitives/bwd_score.h"
 #include "../params.h"
 
@@ -57,7 +57,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t t = m0 + row0 + c_row(mf, 2 * h, lane);
+      const int64_t t = m0 + row0 + frag_row(mf, 2 * h, lane);
       lse2[mf][h] = __ldg(in.lse2 + t);
       delta[mf][h] = __ldg(in.delta + t);
     }

@@ -64,6 +64,10 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   rt.k_vec = rows_aligned(p, p.k, elem_bytes);
   rt.v_vec = rows_aligned(p, p.v, elem_bytes);
   rt.o_vec = rows_aligned(p, p.o, p.has(kOutputF32) ? 4 : elem_bytes);
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&rt.sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
 
   switch (p.dtype) {
     case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);

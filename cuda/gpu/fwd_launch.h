@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -23,9 +24,12 @@ cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  const int64_t blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM * p.num_instances();
+  const int64_t num_m = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, instances = p.num_instances();
+  const int64_t blocks = num_m * instances;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, kSmem, stream>>>(p, rt);
+  FwdRuntime grid_rt = rt;
+  grid_rt.tile_group = std::min(std::max<int64_t>((4 * int64_t{rt.sms} + num_m - 1) / num_m, 1), instances);
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, kSmem, stream>>>(p, grid_rt);
   return cudaGetLastError();
 }
 

@@ -114,7 +114,8 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
     cp_async_commit();
 
     float s[Cfg::kMF][Cfg::kNF][4];
-    gemm_qk<T, Cfg::kF32Mma, Cfg::kUnrollQk>(s, sQ, sK, warp_row, lane);
+    zero_frags(s);
+    warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, Cfg::kHeadDim>(s, sQ, warp_row, sK, 0, lane);
     score_tile<Cfg>(s, p, rt, pos, ops, m0 + warp_row, n0, !masked, lane);
 
     cp_async_wait<0>();  // V landed
@@ -124,8 +125,8 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
       cp_async_commit();
     }
     online_softmax(s, o, st, rt.exp_scale);
-    using Mma = MmaOps<T, Cfg::kF32Mma>;
-    typename Mma::AFrag a[Cfg::kMF][Cfg::kBlockN / Mma::kK];
+    using Pv = PvOps<T, Cfg::kF32Mma>;
+    typename Pv::AFrag a[Cfg::kMF][Cfg::kBlockN / Pv::kK];
     p_fragments<T, Cfg::kF32Mma>(a, s);
     gemm_pv<T, Cfg::kF32Mma>(o, a, sV, lane);
   };

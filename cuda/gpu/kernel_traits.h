@@ -29,7 +29,6 @@ struct FwdConfig {
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static constexpr int kBlockM = FwdTileSize<sizeof(T), D, kGeneral>::kBlockM;
   static constexpr int kBlockN = FwdTileSize<sizeof(T), D, kGeneral>::kBlockN;
-  static constexpr bool kUnrollQk = FwdTileSize<sizeof(T), D, kGeneral>::kUnrollQk;
   static constexpr bool kSplitSteps = FwdTileSize<sizeof(T), D, kGeneral>::kSplitSteps;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
@@ -69,6 +68,12 @@ struct FwdRuntime {
   // 16-byte-aligned rows (base, row and instance strides; for o in its output
   // type): cp.async and vector stores; otherwise the element-wise fallback.
   bool q_vec, k_vec, v_vec, o_vec;
+  // The grid's instance groups (fwd_kernel.h): enough instances that a group's
+  // work per CTA slot exceeds its longest query tile, few enough that their
+  // K/V stay near L2's size: ceil(4 SMs / query tiles), so a group is ~4 CTAs
+  // per SM (2 resident, tiles averaging half the longest under causal masking).
+  int sms;             // the device's multiprocessors (forward.cu)
+  int64_t tile_group;  // instances per group (the launcher)
 };
 
 }  // namespace jaxflash::gpu

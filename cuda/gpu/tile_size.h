@@ -33,13 +33,10 @@ struct FwdTileSize {
   static constexpr int kBlockM = !kGeneral && (D <= 64 || (k16 && D <= 128)) ? 128 : 64;
   static constexpr int kBlockN = k16 ? (D <= 32 ? 128 : 64) : (D <= 128 ? 64 : (D <= 192 ? 32 : 16));
   // Schedule, measured on H100 for the fast 16-bit kernels at D = 64 and 128
-  // (the paths that matter most for speed): unrolling the Q K^T loop over the
-  // head dim and giving whole tiles their own copy of the tile step (no mask
-  // branches) are worth 4-7% there, though at D = 128 they spill ~0.5 KB.
-  // Elsewhere (unmeasured, or spilling kilobytes: large D, fp32) one compact step.
-  static constexpr bool kTuned = k16 && !kGeneral && (D == 64 || D == 128);
-  static constexpr bool kUnrollQk = kTuned;
-  static constexpr bool kSplitSteps = kTuned;
+  // (the paths that matter most for speed): giving whole tiles their own copy
+  // of the tile step (no mask branches) is worth a few % there. Elsewhere
+  // (unmeasured, or spilling kilobytes: large D, fp32) one compact step.
+  static constexpr bool kSplitSteps = k16 && !kGeneral && (D == 64 || D == 128);
 };
 
 }  // namespace jaxflash::gpu

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "bwd_mma.h"
+#include "warp_gemm.h"
 #include "ptx.h"
 #include "../../params.h"
 
@@ -43,13 +43,13 @@ __device__ __forceinline__ void bwd_mask_positions(float (&s)[MF][NF][4], const 
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = c_row(mf, 2 * h, lane);
+      const int r = frag_row(mf, 2 * h, lane);
       const int lo = r + blk.lo, hi = r < blk.q_end ? min(r + blk.hi, blk.kv_end) : lo;
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int col = c_col(nf, c, lane);
+          const int col = frag_col(nf, c, lane);
           if (col < lo || col >= hi) s[mf][nf][2 * h + c] = -INFINITY;
         }
     }
@@ -67,13 +67,13 @@ __device__ __forceinline__ void bwd_for_each_element(const U* base, int64_t row_
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = c_row(mf, 2 * h, lane);
+      const int r = frag_row(mf, 2 * h, lane);
       const U* row = block + r * row_stride;
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const bool inside = r < blk.q_end && c_col(nf, c, lane) < blk.kv_end;
+          const bool inside = r < blk.q_end && frag_col(nf, c, lane) < blk.kv_end;
           f(mf, nf, 2 * h + c, inside, row + (8 * nf + c) * cs);
         }
     }

@@ -68,7 +68,7 @@ struct SmemTile {
   // The swizzle-field bits a position's chunk index can have when the
   // position is a lane offset of `lane_bits` plus a run-time origin that is a
   // multiple of `origin_cols` columns.
-  static constexpr int chunk_bits(int lane_bits, int origin_cols) {
+  __host__ __device__ static constexpr int chunk_bits(int lane_bits, int origin_cols) {
     if (origin_cols % kChunkElems != 0) return kSwizzleMask;
     const int chunks = origin_cols / kChunkElems;
     const int align = chunks & -chunks;  // the largest power of 2 dividing it

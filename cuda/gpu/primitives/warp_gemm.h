@@ -1,16 +1,16 @@
-// Fragment loads and the generic warp GEMM of the backward kernels, on top of
-// ptx.h / smem_tile.h. The backward multiplies shared-memory tiles in every
-// orientation (dV = P^T dO reads P transposed, dQ = dS K reads K as [k][n]),
-// so both operands come in both storage orders:
+// Fragment loads from shared-memory tiles and the generic warp GEMM, on top of
+// ptx.h / smem_tile.h: every product of the backward and the forward's Q K^T.
+// The backward multiplies tiles in every orientation (dV = P^T dO reads P
+// transposed, dQ = dS K reads K as [k][n]), so both operands come in both
+// storage orders:
 //
 //   A (m x k):  kMK: the tile is stored [m][k]    kKM: the tile is stored [k][m]
 //   B (k x n):  kNK: the tile is stored [n][k]    kKN: the tile is stored [k][n]
 //
-// Accumulators use the m16n8 C layout of mma.h (c_row / c_col below). The k
-// order inside a fragment is the natural one here for every type (the
-// forward's fp32 P.V path permutes k, which only works with P in registers).
-// float32 runs in either F32Mma mode (ptx.h), through BwdFrag's AFrag / BFrag /
-// mma as in mma.h: warp_gemm is written once for all of them.
+// The k order inside a fragment is the natural one for every type (the
+// forward's fp32 P.V path permutes k, which only works with P in registers:
+// mma.h). float32 runs in either F32Mma mode (ptx.h), through SmemFrag's
+// AFrag / BFrag / mma: warp_gemm is written once for all of them.
 #pragma once
 
 #include <cstdint>
@@ -32,18 +32,21 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t add
                : "r"(addr));
 }
 
-// Coordinates of C-fragment element i (0..3) of m-fragment mf / n-fragment nf,
-// relative to the warp block: lane l = 4g + t holds rows g, g + 8 and columns
-// 2t, 2t + 1 (mma.h's frag_row / frag_col, under names of the backward's own).
-__device__ __forceinline__ int c_row(int mf, int i, int lane) { return 16 * mf + (lane >> 2) + 8 * (i >> 1); }
-__device__ __forceinline__ int c_col(int nf, int i, int lane) { return 8 * nf + 2 * (lane & 3) + (i & 1); }
+// The m16n8 fp32 accumulator ("C fragment") of every MMA here: lane l = 4g + t
+// holds rows g and g + 8, columns 2t and 2t + 1, as
+//   c[0] = (g, 2t)   c[1] = (g, 2t + 1)   c[2] = (g + 8, 2t)   c[3] = (g + 8, 2t + 1)
+// so softmax, masking and the epilogues are written once against that layout.
+// Coordinates of element i (0..3) of m-fragment mf / n-fragment nf, relative
+// to the warp block:
+__device__ __forceinline__ int frag_row(int mf, int i, int lane) { return 16 * mf + (lane >> 2) + 8 * (i >> 1); }
+__device__ __forceinline__ int frag_col(int nf, int i, int lane) { return 8 * nf + 2 * (lane & 3) + (i & 1); }
 
 enum class AOrder { kMK, kKM };
 enum class BOrder { kNK, kKN };
 
 // M matters for float only (see F32Mma).
 template <class T, F32Mma M = F32Mma::kTf32>
-struct BwdFrag;
+struct SmemFrag;
 
 // Every load takes its tile's per-lane Cursor (smem_tile.h) and compile-time
 // offsets from it: (MI, K0) for an A fragment (rows m0 + 16 MI of the warp
@@ -56,7 +59,7 @@ struct BwdFrag;
 // a3 (g+8, 2t+8..); B: b0 (k 2t.., n g), b1 (k 2t+8.., n g). Everything
 // through ldmatrix, transposing where the tile is stored the other way.
 template <class T>
-struct BwdFrag16 {
+struct SmemFrag16 {
   static constexpr int kK = 16;
   using AFrag = uint32_t[4];  // the registers of one operand fragment
   using BFrag = uint32_t[2];
@@ -111,9 +114,9 @@ struct BwdFrag16 {
 };
 
 template <F32Mma M>
-struct BwdFrag<__half, M> : BwdFrag16<__half> {};
+struct SmemFrag<__half, M> : SmemFrag16<__half> {};
 template <F32Mma M>
-struct BwdFrag<__nv_bfloat16, M> : BwdFrag16<__nv_bfloat16> {};
+struct SmemFrag<__nv_bfloat16, M> : SmemFrag16<__nv_bfloat16> {};
 
 // fp32 on tf32 mma.m16n8k8. A: a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4);
 // B: b0 (k t, n g), b1 (k t+4, n g). A 16-byte chunk is 4 floats, so ldmatrix's
@@ -124,7 +127,7 @@ struct BwdFrag<__nv_bfloat16, M> : BwdFrag16<__nv_bfloat16> {};
 // tf32 parts (k3xTf32): tf32_operand (ptx.h) turns each raw fp32 word into its
 // fragment word(s).
 template <F32Mma M>
-struct BwdFrag<float, M> {
+struct SmemFrag<float, M> {
   static constexpr int kK = 8;
   using AFrag = Tf32Frag<M, 4>;
   using BFrag = Tf32Frag<M, 2>;
@@ -220,7 +223,7 @@ __device__ __forceinline__ void static_for(F&& f) {
 template <class T, F32Mma M, AOrder AO, BOrder BO, int KDIM, int MF, int NF, class ATile, class BTile>
 __device__ __forceinline__ void warp_gemm(float (&c)[MF][NF][4], const ATile& a, int m0, const BTile& b, int n0,
                                           int lane) {
-  using F = BwdFrag<T, M>;
+  using F = SmemFrag<T, M>;
   constexpr int kSteps = KDIM / F::kK;
   static_assert(KDIM % F::kK == 0, "whole k steps");
   constexpr int kABits = F::template kABits<AO, ATile, MF>;
@@ -278,72 +281,6 @@ __device__ __forceinline__ void store_frags(const Tile& t, const float (&c)[MF][
         else
           t.template at<uint32_t>(row, col) = pack2(x, y, T{});
       }
-}
-
-// ---- Inter-CTA ordering (the deterministic dQ accumulation) ----
-
-// sm_90+: dQ partials go through shared memory and a bulk (TMA) reduction;
-// otherwise through fp32 atomics. JAXFLASH_BWD_NO_BULK (defined for every
-// translation unit, backward.cu included) forces the atomic path everywhere,
-// so the sm_80 code path can be tested on a Hopper GPU.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(JAXFLASH_BWD_NO_BULK)
-#define JF_BWD_DQ_BULK 1
-#else
-#define JF_BWD_DQ_BULK 0
-#endif
-
-__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-// *ptr += v with release semantics at GPU scope: this thread's earlier writes
-// (and, through a preceding barrier, its CTA's) are visible to whoever
-// acquires the new value. Cheaper than a full fence (__threadfence) + atomic.
-__device__ __forceinline__ void red_release_gpu(int* ptr, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
-}
-
-// sm_90 bulk (TMA) reduction of a contiguous shared-memory block into global
-// memory: dst[i] += src[i] (fp32, at L2), `bytes` a multiple of 16, both ends
-// 16-byte aligned. Issued by one thread; completion is tracked per thread
-// through bulk async-groups.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
-#if JF_BWD_DQ_BULK
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(smem_addr(src)), "r"(bytes)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
-}
-// Until this thread's bulk operations are complete, their writes visible to it.
-__device__ __forceinline__ void bulk_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
-}
-// Until this thread's bulk operations have read their shared-memory sources.
-__device__ __forceinline__ void bulk_wait_reads() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
-}
-// Orders this thread's generic-proxy accesses of the state space against
-// async-proxy (bulk) ones.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
 }
 
 }  // namespace jaxflash::gpu

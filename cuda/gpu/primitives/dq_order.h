@@ -1,0 +1,77 @@
+// Inter-CTA ordering primitives of the backward's deterministic dQ
+// accumulation (bwd_kernel.h): acquire loads and release increments of the
+// per-warp semaphores, and on sm_90 the bulk (TMA) reduction of a dQ partial
+// from shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "ptx.h"
+
+namespace jaxflash::gpu {
+
+// sm_90+: dQ partials go through shared memory and a bulk (TMA) reduction;
+// otherwise through fp32 atomics. JAXFLASH_BWD_NO_BULK (defined for every
+// translation unit, backward.cu included) forces the atomic path everywhere,
+// so the sm_80 code path can be tested on a Hopper GPU.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(JAXFLASH_BWD_NO_BULK)
+#define JF_BWD_DQ_BULK 1
+#else
+#define JF_BWD_DQ_BULK 0
+#endif
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// *ptr += v with release semantics at GPU scope: this thread's earlier writes
+// (and, through a preceding barrier, its CTA's) are visible to whoever
+// acquires the new value. Cheaper than a full fence (__threadfence) + atomic.
+__device__ __forceinline__ void red_release_gpu(int* ptr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// sm_90 bulk (TMA) reduction of a contiguous shared-memory block into global
+// memory: dst[i] += src[i] (fp32, at L2), `bytes` a multiple of 16, both ends
+// 16-byte aligned. Issued by one thread; completion is tracked per thread
+// through bulk async-groups.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
+#if JF_BWD_DQ_BULK
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Until this thread's bulk operations are complete, their writes visible to it.
+__device__ __forceinline__ void bulk_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+// Until this thread's bulk operations have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_reads() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+// Orders this thread's generic-proxy accesses of the state space against
+// async-proxy (bulk) ones.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
+}  // namespace jaxflash::gpu
