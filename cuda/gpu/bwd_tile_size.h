@@ -19,8 +19,8 @@
 // FlashAttention-2's shapes): on an H100, D = 128 went from 128 to 183 TFLOP/s
 // (N = 4k) against 64 x 64 tiles, and D = 64 from 138 to 168 with 128 x 128.
 // Both spill some registers at sm_90 (about 100 words, outside the GEMMs'
-// inner steps); every other row compiles without spills at 255 registers
-// (8 warps, one CTA per SM). Double-buffered Q / dO (q_stages = 2) loads the next Q tile during the
+// inner steps), as does 16-bit D = 256 (24 words); the other rows compile
+// without spills at 255 registers (8 warps, one CTA per SM). Double-buffered Q / dO (q_stages = 2) loads the next Q tile during the
 // whole current one. The general variant (bias / mask / unaligned rows) needs
 // registers for those and keeps 64-key tiles; it shares BLOCK_M and the dQ
 // grid with the fast one (the workspace layout). fp32 (tf32) tiles are twice

@@ -24,16 +24,14 @@ struct PvOps;
 // fp16 / bf16: V through the transposing ldmatrix (SmemFrag's kKN B operand).
 template <class T>
 struct PvOps16 : SmemFrag16<T> {
-  using Base = SmemFrag16<T>;
-
   template <class Tile>
   __device__ __forceinline__ static typename Tile::Cursor v_cursor(const Tile& v, int lane) {
-    return Base::template b_cursor<BOrder::kKN>(v, 0, lane);
+    return SmemFrag16<T>::template b_cursor<BOrder::kKN>(v, 0, lane);
   }
   // n8 fragments DF0 and DF0 + 1 of V for k step KK (keys 16 KK..).
   template <int KK, int DF0, class Tile>
   __device__ __forceinline__ static void load_v2(uint32_t (&b)[2][2], const Tile& v, const typename Tile::Cursor& c) {
-    Base::template load_b2<BOrder::kKN, DF0, KK * 16, Tile::chunk_bits(1, 0)>(b[0], b[1], v, c);
+    SmemFrag16<T>::template load_b2<BOrder::kKN, DF0, KK * 16, Tile::chunk_bits(1, 0)>(b[0], b[1], v, c);
   }
 
   // P (C fragments over keys) -> A fragment of k-step kk (keys 16kk..16kk+15):
@@ -46,7 +44,6 @@ struct PvOps16 : SmemFrag16<T> {
     a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], T{});
     a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], T{});
   }
-
 };
 
 template <F32Mma M>
@@ -62,10 +59,9 @@ struct PvOps<__nv_bfloat16, M> : PvOps16<__nv_bfloat16> {};
 // big + small tf32 parts (k3xTf32): tf32_operand (ptx.h) turns each raw fp32
 // word into its fragment word(s).
 template <F32Mma M>
-struct PvOps<float, M> {
-  static constexpr int kK = 8;
-  using AFrag = Tf32Frag<M, 4>;
-  using BFrag = Tf32Frag<M, 2>;
+struct PvOps<float, M> : SmemFrag<float, M> {
+  using typename SmemFrag<float, M>::AFrag;
+  using typename SmemFrag<float, M>::BFrag;
 
   // The k index of P's A fragment is permuted (see p_to_a): k = t <-> key 2t,
   // k = t + 4 <-> key 2t + 1. B follows the same permutation.
@@ -90,10 +86,6 @@ struct PvOps<float, M> {
     tf32_operand(a, 1, __float_as_uint(s[kk][2]));
     tf32_operand(a, 2, __float_as_uint(s[kk][1]));
     tf32_operand(a, 3, __float_as_uint(s[kk][3]));
-  }
-
-  __device__ __forceinline__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
-    mma_m16n8k8_tf32(d, a, b);
   }
 };
 

@@ -132,6 +132,15 @@ struct SmemFrag<float, M> {
   using AFrag = Tf32Frag<M, 4>;
   using BFrag = Tf32Frag<M, 2>;
 
+  // A transposed (k-major) tile's words (K0 + t, COL + g) and (K0 + t + 4, COL + g)
+  // for the cursor at (t, g): the two k halves of one fragment column.
+  template <int K0, int COL, int kBits, class Tile>
+  __device__ __forceinline__ static void load_k_pair(uint32_t& lo, uint32_t& hi, const Tile& t,
+                                                     const typename Tile::Cursor& c) {
+    lo = lds_u32(t.template addr_at<K0, COL, kBits>(c));
+    hi = lds_u32(t.template addr_at<K0 + 4, COL, kBits>(c));
+  }
+
   template <AOrder O, class Tile>
   __device__ __forceinline__ static typename Tile::Cursor a_cursor(const Tile& t, int m0, int lane) {
     if constexpr (O == AOrder::kMK) return t.cursor(m0 + (lane & 15), (lane >> 4) * 4);
@@ -146,10 +155,8 @@ struct SmemFrag<float, M> {
     if constexpr (O == AOrder::kMK) {
       ldmatrix_x4(r, t.template addr_at<16 * MI, K0, kBits>(c));
     } else {
-      r[0] = lds_u32(t.template addr_at<K0, 16 * MI, kBits>(c));
-      r[1] = lds_u32(t.template addr_at<K0, 16 * MI + 8, kBits>(c));
-      r[2] = lds_u32(t.template addr_at<K0 + 4, 16 * MI, kBits>(c));
-      r[3] = lds_u32(t.template addr_at<K0 + 4, 16 * MI + 8, kBits>(c));
+      load_k_pair<K0, 16 * MI, kBits>(r[0], r[2], t, c);
+      load_k_pair<K0, 16 * MI + 8, kBits>(r[1], r[3], t, c);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) tf32_operand(a, i, r[i]);
@@ -173,10 +180,8 @@ struct SmemFrag<float, M> {
       ldmatrix_x4(x, t.template addr_at<8 * NI, K0, kBits>(c));
       r0[0] = x[0], r0[1] = x[1], r1[0] = x[2], r1[1] = x[3];
     } else {
-      r0[0] = lds_u32(t.template addr_at<K0, 8 * NI, kBits>(c));
-      r0[1] = lds_u32(t.template addr_at<K0 + 4, 8 * NI, kBits>(c));
-      r1[0] = lds_u32(t.template addr_at<K0, 8 * NI + 8, kBits>(c));
-      r1[1] = lds_u32(t.template addr_at<K0 + 4, 8 * NI + 8, kBits>(c));
+      load_k_pair<K0, 8 * NI, kBits>(r0[0], r0[1], t, c);
+      load_k_pair<K0, 8 * NI + 8, kBits>(r1[0], r1[1], t, c);
     }
     tf32_operand(b0, 0, r0[0]), tf32_operand(b0, 1, r0[1]);
     tf32_operand(b1, 0, r1[0]), tf32_operand(b1, 1, r1[1]);
@@ -188,8 +193,7 @@ struct SmemFrag<float, M> {
     if constexpr (O == BOrder::kNK) {
       ldmatrix_x2(r, t.template addr_at<8 * NI, K0, kBits>(c));
     } else {
-      r[0] = lds_u32(t.template addr_at<K0, 8 * NI, kBits>(c));
-      r[1] = lds_u32(t.template addr_at<K0 + 4, 8 * NI, kBits>(c));
+      load_k_pair<K0, 8 * NI, kBits>(r[0], r[1], t, c);
     }
     tf32_operand(b, 0, r[0]), tf32_operand(b, 1, r[1]);
   }
