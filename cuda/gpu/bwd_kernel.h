@@ -5,77 +5,27 @@
 //
 //   S, dP -> P, dS (registers, then shared memory as T)
 //   dV += P^T dO,  dK += dS^T Q
-//   dQ(tile) += dS K   into the fp32 workspace, in a fixed order (below)
+//   dQ(tile) += dS K   into the fp32 workspace
 //
-// Deterministic dQ. Every (instance, Q tile) has one semaphore per warp,
-// counting the key tiles whose warp of that index has added its block of the
-// tile (a warp's block is the same in every CTA). The key tiles that touch Q
-// tile i are a contiguous range [j_first, j_last] (the visible band is
-// convex), with j_first = visible_keys(i).lo / BLOCK_N; warp w of key tile j
-// waits until its semaphore equals j - j_first, adds its partial (sm_90: one
-// bulk reduction from shared memory; sm_80: fp32 atomics), waits for the adds
-// to complete, fences and increments. So each dQ element receives its adds in
-// ascending key-tile order, whatever the schedule: bitwise reproducible. The
-// CTA's own Q-tile range comes from visible_queries(j), the transpose of the
-// same band, so the two sides agree on exactly which key tiles contribute
-// (params.h computes both from one rule).
-//
-// No deadlock. CTAs do not use blockIdx: each takes a ticket from a zeroed
-// counter on entry and decodes (kept instance, key tile) from it, key tile
-// slowest. A warp only ever waits for a warp of a CTA of the same kept
-// instance with a smaller key tile, i.e. a smaller ticket, and a CTA holding
-// a ticket is resident (it took it while running). By induction on tickets
-// the smallest unfinished one waits on nothing unfinished (its warps wait
-// only for each other, at barriers), so it completes: no reliance on the
-// hardware dispatching blocks in index order. Tickets also give the longest
-// CTAs (small key tiles under causal masking) the first slots.
-//
-// A turn's signal is deferred until just before the warp's next wait (or the
-// CTA's exit), so the completion wait and fence find the adds already done
-// instead of stalling on them. That keeps the argument intact: a warp never
-// waits while holding an unsignalled turn, and between a turn and its signal
-// it only computes and meets its own CTA's barriers.
+// dQ goes into the fp32 workspace in a fixed order, so the result is bitwise
+// reproducible: bwd_dq.h has the protocol (shared with bwd_sm90_kernel.h).
 #pragma once
 
 #include <cstdint>
 
+#include "bwd_dq.h"
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
 #include "instance.h"
-#include "primitives/dq_order.h"
 #include "primitives/warp_gemm.h"
 #include "primitives/smem_tile.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
 
-// The calling thread spins until *sem >= target.
-__device__ __forceinline__ void spin_until(const int* sem, int target) {
-  while (ld_acquire_gpu(sem) < target) __nanosleep(32);
-}
-
-// Position of element e (0..3, the C-fragment order) of fragment (mf, nf) of
-// `lane` inside its warp's block of the dQ accumulator (a chunk is
-// block_m x chunk_cols floats; warp w's block starts at w * kWarpFloats):
-// fragment order, each element's 32 lanes contiguous. Every warp store /
-// atomic then covers 128 contiguous bytes (conflict-free in shared memory,
-// whole sectors at L2); backward_postpass un-permutes.
-template <class Cfg>
-__device__ __forceinline__ int dq_frag_offset(int mf, int nf, int e, int lane) {
-  return ((mf * Cfg::kQNF + nf) * 4 + e) * 32 + lane;
-}
-
 // dQ(tile) += dS K for the CTA's turn on (instance, Q tile), in the
-// accumulator block `acc` (the tile's first chunk). Each warp adds its own
-// block of the tile on its own: it waits on its own semaphore `sems[warp]`
-// (which the same warp of the previous key tile signals), adds, and leaves
-// its signal `pending` until its next turn (or exit, flush_dq_turn), by when
-// the adds have long landed and the signal costs no wait. No CTA barrier: a
-// warp waiting for its turn holds up no other warp.
-//
-// sm_90: the warp's partial goes to its own part of the shared-memory stage
-// (fragment order, so its block is contiguous) and lane 0 issues one bulk
-// reduction per chunk. sm_80: every lane adds with coalesced fp32 atomics.
+// accumulator block `acc` (the tile's first chunk): each warp computes its
+// block of each column chunk and adds it in its turn (bwd_dq.h).
 template <class Cfg>
 __device__ __forceinline__ void accumulate_dq(float* acc, int* sems, int target, int*& pending,
                                               const typename Cfg::PTile& sdS, const typename Cfg::KTile& sK,
@@ -86,78 +36,15 @@ __device__ __forceinline__ void accumulate_dq(float* acc, int* sems, int target,
   constexpr int kWarpFloats = MF * NF * 4 * 32;  // one warp's block of a chunk
   const int row0 = (warp / Cfg::kQWarpsN) * Cfg::kQRows;
   const int col0 = (warp % Cfg::kQWarpsN) * Cfg::kQCols;
-  int* const sem = sems + warp;
-  float* const warp_acc = acc + warp * kWarpFloats;
 #pragma unroll 1
   for (int c = 0; c < Cfg::kQChunks; ++c) {
     float dq[MF][NF][4];
     zero_frags(dq);
     warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kKN, Cfg::kBlockN>(dq, sdS, row0, sK, c * Cfg::kQChunkCols + col0, lane);
-#if JF_BWD_DQ_BULK
-    float* const warp_stage = stage + warp * kWarpFloats;
-    if (lane == 0) {
-      if (c == 0 && pending != nullptr) {  // signal the last turn (its reduction also freed the stage)
-        bulk_wait_all();
-        fence_proxy_async_global();
-        red_release_gpu(pending, 1);
-      } else if (c > 0) {
-        bulk_wait_reads();  // the previous chunk's reduction has read the stage
-      }
-    }
-    __syncwarp();  // the stage is free
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) warp_stage[dq_frag_offset<Cfg>(mf, nf, e, lane)] = dq[mf][nf][e];
-    fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
-    __syncwarp();
-    if (lane == 0) {
-      if (c == 0) {
-        spin_until(sem, target);
-        fence_proxy_async_global();
-      }
-      bulk_reduce_add_f32(warp_acc + c * kChunkFloats, warp_stage, kWarpFloats * 4);
-      bulk_commit();
-    }
-#else
-    (void)stage;
-    if (c == 0) {
-      if (pending != nullptr) {  // every lane's atomics done and visible, then one increment
-        __threadfence();
-        __syncwarp();
-        if (lane == 0) atomicAdd(pending, 1);
-      }
-      if (lane == 0) spin_until(sem, target);
-      __syncwarp();
-    }
-    float* const block = warp_acc + c * kChunkFloats;
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) atomicAdd(block + dq_frag_offset<Cfg>(mf, nf, e, lane), dq[mf][nf][e]);
-#endif
+    add_dq_chunk(dq, acc + warp * kWarpFloats + c * kChunkFloats, c, sems + warp, target, pending,
+                 stage + warp * kWarpFloats, lane);
   }
-  pending = sem;
-}
-
-// The warp's last pending signal, before the CTA exits.
-__device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
-  if (pending == nullptr) return;
-#if JF_BWD_DQ_BULK
-  if (lane == 0) {
-    bulk_wait_all();
-    fence_proxy_async_global();
-    red_release_gpu(pending, 1);
-  }
-#else
-  __threadfence();
-  __syncwarp();
-  if (lane == 0) atomicAdd(pending, 1);
-#endif
+  pending = sems + warp;
 }
 
 template <class Cfg>

@@ -118,6 +118,7 @@ struct BwdRuntime {
   BwdDqGrid dq;   // the accumulator's layout (the post-pass reads it)
   bool dq_bulk;   // sm_90+: dQ staged in shared memory and bulk-reduced
   bool general;   // the main kernel variant: bias, mask or unaligned q / k / v / dO rows
+  bool sm90;      // the main kernel is the sm_90 (wgmma) one, bwd_sm90_kernel.h
 
   // The main kernel: one CTA per (kept instance, key tile of the variant's
   // BLOCK_N); it loops over the `kv_reduced` instances that share its dK / dV

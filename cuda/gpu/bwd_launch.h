@@ -1,5 +1,5 @@
 // Launcher of one (dtype, padded head dim) instantiation of the backward's
-// main and dbias kernels. Included only by instantiations/bwd_*.cu, one per
+// main kernels (mma.sync, and sm_90 where it covers the case) and dbias kernel. Included only by instantiations/bwd_*.cu, one per
 // pair, so the heavy template instantiations build in parallel; backward.cu
 // validates, runs the pre / post passes and dispatches here.
 #pragma once
@@ -12,6 +12,7 @@
 #include "bwd_dbias.h"
 #include "bwd_kernel.h"
 #include "bwd_kernel_traits.h"
+#include "bwd_sm90_kernel.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
@@ -36,6 +37,18 @@ cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt,
   return cudaGetLastError();
 }
 
+template <class T, int D>
+cudaError_t launch_backward_sm90(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
+  using Cfg = BwdSm90Config<T, D>;
+  auto* kernel = &backward_sm90_kernel<Cfg>;
+  if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kSmemBytes); err != cudaSuccess) return err;
+  const int64_t blocks = rt.kv_kept * rt.k_tiles;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, rt);
+  return cudaGetLastError();
+}
+
 template <class T, int D, F32Mma M, class BiasT>
 cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   using Cfg = BwdConfig<T, D, true, M>;
@@ -54,6 +67,9 @@ cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt
 // types take the default).
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
+  if constexpr (bwd_sm90_covers(sizeof(T), D)) {
+    if (rt.sm90) return launch_backward_sm90<T, D>(p, rt, stream);  // no bias, so no dbias
+  }
   cudaError_t err = rt.general ? launch_backward_main<T, D, true, M>(p, rt, stream)
                                : launch_backward_main<T, D, false, M>(p, rt, stream);
   if (err != cudaSuccess || !p.has(kHasDbias) || p.seqlen_q == 0 || p.seqlen_k == 0) return err;

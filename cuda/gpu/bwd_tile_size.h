@@ -121,6 +121,59 @@ constexpr int bwd_smem_bytes(const BwdTiles& t, int elem_bytes, int d, bool dq_b
   return tiles + (dq_bulk ? t.block_m * (d / t.q_chunks) * 4 : 0);
 }
 
+// ---- The sm_90 family (bwd_sm90_kernel.h: wgmma) ----
+//
+// 16-bit D = 64 and 128 without bias or mask (the fast variant's cases) on
+// compute capability 9.0. A CTA is two warpgroups and owns 128 keys, 64 per
+// warpgroup (the M of its S^T / dP^T / dK / dV products); a Q tile is
+// BLOCK_M rows, the same as the mma.sync kernels' so the two families share
+// the workspace layout. dQ = dS K (BLOCK_M x D) is split between the
+// warpgroups by rows when BLOCK_M = 128, by columns when D = 128; every warp
+// then owns a 16 x 64 block of it, which sets the accumulator's layout.
+//
+//   D    BLOCK_M  Q, dO (x2 stages)  K, V    dS^T   dQ stage  total
+//   64     128         64 KB         32 KB   32 KB   32 KB    161 KB
+//   128     64         64 KB         64 KB   16 KB   32 KB    177 KB
+//
+// Registers per thread: dK, dV (2 x D / 2) + S^T, dP^T (2 x BLOCK_M / 2)
+// = 192 fp32 at both sizes, under the 255 of one 256-thread CTA per SM.
+constexpr int kBwdSm90BlockN = 128;
+
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr bool bwd_sm90_covers(int elem_bytes, int d) { return elem_bytes == 2 && (d == 64 || d == 128); }
+
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr int bwd_sm90_block_m(int d) { return d == 64 ? 128 : 64; }
+
+// The dQ accumulator's layout (see BwdDqGrid): warp blocks of 16 x 64.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
+  return {bwd_sm90_block_m(d), 1, d, d / 64, 16, 64, 1, 8, 8};
+}
+
+// Dynamic shared memory: the tiles, the per-stage row statistics (lse2 and
+// delta of the Q tile), the dQ stage, and 1 KB to align the tiles to 1024.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr int bwd_sm90_smem_bytes(int d) {
+  const int bm = bwd_sm90_block_m(d), bn = kBwdSm90BlockN;
+  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 2 * bm * 4 + bm * d * 4 + 1024;
+}
+
+static_assert(bwd_sm90_block_m(64) == bwd_tiles(2, 64, false).block_m &&
+                  bwd_sm90_block_m(128) == bwd_tiles(2, 128, false).block_m &&
+                  bwd_tiles(2, 64, false).block_n == kBwdSm90BlockN && bwd_tiles(2, 128, false).block_n == kBwdSm90BlockN &&
+                  bwd_sm90_dq_grid(64).warps == bwd_dq_grid(2, 64).warps &&
+                  bwd_sm90_dq_grid(128).warps == bwd_dq_grid(2, 128).warps,
+              "the families share the workspace layout (BLOCK_M, dQ semaphores per tile) and key tiles");
+
 // The padded head dim a kernel instantiation is compiled for.
 #if defined(__CUDACC__)
 __host__ __device__

@@ -18,6 +18,7 @@ namespace jaxflash::gpu {
 
 template <class T, int ROWS, int COLS>
 struct SmemTile {
+  using Elem = T;
   static constexpr int kRows = ROWS;
   static constexpr int kCols = COLS;
   static constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));
@@ -94,6 +95,43 @@ struct SmemTile {
   }
 };
 
+// A ROWS x COLS tile of a 16-bit type in the layout the Hopper tensor cores
+// (wgmma) read through a shared-memory descriptor (primitives/wgmma.h): the
+// 128-byte swizzle. Columns are split into blocks of 64 elements (128 bytes),
+// each block stored as ROWS rows of 128 bytes, block after block; inside a
+// block, the 16-byte chunk c of row r sits at chunk position c ^ (r % 8). An
+// 8-row group (1024 bytes) is the swizzle's repeating unit, so the tile must
+// start 1024-byte aligned. For COLS = 64 this is SmemTile's layout; wider
+// tiles differ (SmemTile keeps a row contiguous). The same bytes serve as a
+// K-major operand (the contiguous columns are the GEMM's k) or an MN-major
+// one (they are its m or n); only the descriptor differs.
+template <class T, int ROWS, int COLS>
+struct GmmaTile {
+  using Elem = T;
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  static constexpr int kRows = ROWS;
+  static constexpr int kCols = COLS;
+  static constexpr int kChunkElems = 8;
+  static constexpr int kChunksPerRow = COLS / kChunkElems;
+  static constexpr int kBlockCols = 64;               // one 128-byte swizzle row
+  static constexpr int kBlockBytes = ROWS * 128;      // one column block
+  static constexpr int kBytes = ROWS * COLS * 2;
+  static_assert(ROWS % 8 == 0 && COLS % kBlockCols == 0, "whole 8-row x 64-column swizzle atoms");
+
+  char* ptr;  // 1024-byte aligned
+
+  __host__ __device__ static constexpr int chunk_offset(int row, int chunk) {
+    return (chunk / 8) * kBlockBytes + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+  }
+  __device__ __forceinline__ static int offset(int row, int col) {
+    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * 2;
+  }
+  template <class U>
+  __device__ __forceinline__ U& at(int row, int col) const {
+    return *reinterpret_cast<U*>(ptr + offset(row, col));
+  }
+};
+
 // Raw bits of one element: loads and stores move bits, never convert.
 template <class T>
 using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
@@ -130,14 +168,15 @@ struct CopyLayout {
 };
 
 // Global matrix `src` (row pitch `row_stride` elements, unit column stride) ->
-// tile. Rows >= valid_rows and columns >= valid_cols are zero-filled and never
+// tile (a SmemTile or a GmmaTile). Rows >= valid_rows and columns >= valid_cols are zero-filled and never
 // read. `vec` says the 16-byte chunks of src are 16-byte aligned (base, row and
 // instance strides); then the copy is asynchronous (cp.async, to be committed
 // by the caller), otherwise it falls back to element loads, synchronous.
-template <int kThreads, class T, int ROWS, int COLS>
-__device__ __forceinline__ void load_tile(const SmemTile<T, ROWS, COLS>& tile, const T* src, int64_t row_stride,
+template <int kThreads, class Tile>
+__device__ __forceinline__ void load_tile(const Tile& tile, const typename Tile::Elem* src, int64_t row_stride,
                                           int valid_rows, int valid_cols, bool vec, int tid) {
-  using Tile = SmemTile<T, ROWS, COLS>;
+  using T = typename Tile::Elem;
+  constexpr int ROWS = Tile::kRows, COLS = Tile::kCols;
   using L = CopyLayout<kThreads, Tile::kChunksPerRow>;
   constexpr int kPasses = ROWS / L::kRowsPerPass;
   static_assert(ROWS % L::kRowsPerPass == 0, "whole passes");
@@ -191,11 +230,11 @@ __device__ __forceinline__ void load_tile(const SmemTile<T, ROWS, COLS>& tile, c
 // copied by the `kCopyThreads` threads whose index in the group is `idx`. Rows
 // >= valid_rows and columns >= valid_cols are not written. `vec` as in
 // load_tile; the vector path uses 16-byte stores.
-template <int kCopyThreads, int kRowsPerCopy, class T, int ROWS, int COLS>
-__device__ __forceinline__ void store_tile_rows(const SmemTile<T, ROWS, COLS>& tile, int row0, T* dst,
+template <int kCopyThreads, int kRowsPerCopy, class Tile>
+__device__ __forceinline__ void store_tile_rows(const Tile& tile, int row0, typename Tile::Elem* dst,
                                                 int64_t row_stride, int valid_rows, int valid_cols, bool vec,
                                                 int idx) {
-  using Tile = SmemTile<T, ROWS, COLS>;
+  using T = typename Tile::Elem;
   constexpr int kChunks = kRowsPerCopy * Tile::kChunksPerRow;
   static_assert(kChunks % kCopyThreads == 0, "every thread copies the same number of chunks");
 #pragma unroll

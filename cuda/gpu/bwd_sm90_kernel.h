@@ -1,0 +1,297 @@
+// The sm_90 backward kernel: the FlashAttention-2 backward of bwd_kernel.h
+// (same grid, tickets, GQA loop, Q-tile range and dQ protocol) with every
+// product on Hopper's warpgroup MMA (primitives/wgmma.h), for the cases of
+// bwd_tile_size.h's sm_90 table (16-bit, D = 64 / 128, no bias or mask).
+//
+// Why a second kernel: the mma.sync backward feeds all five products from
+// shared memory through ldmatrix, 8 warps per SM; it runs at 0.7-0.8 of
+// FlashAttention-2 and is bound by the fragment loads' latency. wgmma reads
+// shared memory itself, so the threads only do the element-wise work.
+//
+// A CTA owns 128 keys, warpgroup g the 64 keys [64 g, 64 g + 64) of them, and
+// computes everything *transposed*, keys as rows, so that the accumulators of
+// its first products are the A operands of the next ones:
+//
+//   S^T  = K_g Q^T,   dP^T = V_g dO^T          SS, K-major  (64 x BLOCK_M)
+//   P^T  = exp2(S^T scale log2e - lse2),  dS^T = P^T o (dP^T - delta)
+//   dV_g += P^T dO,   dK_g += dS^T Q           RS, B MN-major (64 x D)
+//   dS^T -> shared memory; barrier
+//   dQ  (its 16 x 64 blocks) = dS K            SS, both MN-major
+//
+// Overlap inside a warpgroup: dP^T runs while P^T is computed, dV while dS^T
+// is; the two warpgroups meet at two barriers per Q tile (the tile has
+// landed; dS^T is complete). Q / dO are double buffered with cp.async, so the
+// next tile loads during the whole current one.
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_dq.h"
+#include "bwd_kernel_traits.h"
+#include "bwd_scores.h"
+#include "instance.h"
+#include "primitives/smem_tile.h"
+#include "primitives/wgmma.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+template <class T_, int D>
+struct BwdSm90Config {
+  using T = T_;
+  static_assert(bwd_sm90_covers(sizeof(T), D), "see bwd_tile_size.h");
+  static constexpr int kHeadDim = D;
+  static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
+  static constexpr int kThreads = 256;  // two warpgroups
+  static constexpr int kGroupKeys = kBlockN / 2;
+  static constexpr int kSubM = 64;  // queries per S^T / dP^T product
+  static constexpr BwdDqGrid kDq = bwd_sm90_dq_grid(D);
+  // dQ's split between the warpgroups: by rows (BLOCK_M = 128) or columns.
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  static_assert(kDqSplitRows != (D == 128), "each warpgroup computes a 64 x 64 block of dQ");
+
+  using QTile = GmmaTile<T, kBlockM, D>;        // Q and dO
+  using KTile = GmmaTile<T, kBlockN, D>;        // K and V (then dK, dV on the way out)
+  using DsTile = GmmaTile<T, kBlockN, kBlockM>;  // dS^T, [key][query]
+  // Offsets from the 1024-byte aligned base: Q / dO of stage s at 2 s (2 s + 1)
+  // QTile::kBytes, then K, V, dS^T, lse2 / delta of stage s at kStatsOff +
+  // (2 s, 2 s + 1) BLOCK_M floats, the dQ stage.
+  static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
+  static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
+  static constexpr int kDqStageOff = kStatsOff + 4 * kBlockM * 4;
+  static constexpr int kSmemBytes = kDqStageOff + kBlockM * D * 4 + 1024;
+  static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
+};
+
+// -inf outside the visible keys, for an accumulator whose rows are keys and
+// columns queries: blk is the block as (queries from row0) x (keys from col0).
+template <int NF>
+__device__ __forceinline__ void mask_positions_transposed(float (&s)[1][NF][4], const ScoreBlock& blk, int lane) {
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int q = frag_col(nf, c, lane);
+      const int lo = q + blk.lo, hi = q < blk.q_end ? min(q + blk.hi, blk.kv_end) : lo;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = frag_row(0, 2 * h, lane);
+        if (key < lo || key >= hi) s[0][nf][2 * h + c] = -INFINITY;
+      }
+    }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    backward_sm90_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime rt) {
+#if JF_WGMMA
+  using T = typename Cfg::T;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kThreads = Cfg::kThreads;
+  constexpr int kSubM = Cfg::kSubM;
+  using QTile = typename Cfg::QTile;
+  using KTile = typename Cfg::KTile;
+  using DsTile = typename Cfg::DsTile;
+  extern __shared__ char smem_raw[];
+  char* const smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);  // the swizzle atoms' alignment
+  const KTile sK{smem + Cfg::kKOff}, sV{smem + Cfg::kVOff};
+  const DsTile sdS{smem + Cfg::kDsOff};
+  float* const stats = reinterpret_cast<float*>(smem + Cfg::kStatsOff);
+  float* const dq_stage = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
+  __shared__ int s_ticket;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = warp / 4, key0 = group * Cfg::kGroupKeys;
+  const int warp_key0 = key0 + 16 * (warp % 4);  // the warp's accumulator rows
+  // The warpgroup's 64 x 64 block of dQ, and the warp's 16 x 64 block of it
+  // (its index in the dQ grid: bwd_sm90_dq_grid).
+  const int dq_row0 = Cfg::kDqSplitRows ? 64 * group : 0, dq_col0 = Cfg::kDqSplitRows ? 0 : 64 * group;
+  const int dq_warp = (dq_row0 / 16 + warp % 4) * Cfg::kDq.warps_n + dq_col0 / 64;
+  constexpr int kDqWarpFloats = 16 * 64;
+
+  if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
+  __syncthreads();
+  const int64_t ticket = s_ticket;
+  const int64_t kept = ticket % rt.kv_kept;
+  const int64_t key_tile = ticket / rt.kv_kept;
+  const int64_t n0 = key_tile * BN;
+  const int head_dim = static_cast<int>(p.head_dim);
+
+  Acc<D> dk, dv;
+  zero_frags(dk);
+  zero_frags(dv);
+
+  const T* k_resident = nullptr;
+  const T* v_resident = nullptr;
+  int kv_rows_resident = -1;
+  int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
+
+#pragma unroll 1
+  for (int64_t r = 0; r < rt.kv_reduced; ++r) {
+    const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
+    const InstanceBounds b = instance_bounds(p, linear);
+    const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
+    if (rows.lo >= rows.hi) continue;
+    const InstanceIndex inst(p, linear);
+    const T* q = inst.origin<const T>(p, p.q);
+    const T* d_o = inst.origin<const T>(p, p.d_o);
+    const float* lse2_rows = rt.lse2 + linear * rt.t_pad;
+    const float* delta_rows = rt.delta + linear * rt.t_pad;
+
+    const T* k = inst.origin<const T>(p, p.k) + n0 * p.k.row_stride;
+    const T* v = inst.origin<const T>(p, p.v) + n0 * p.v.row_stride;
+    const int kv_rows = static_cast<int>(min(b.kv_len - n0, int64_t{BN}));
+    // Every warpgroup's products of the previous instance are complete (each
+    // waited for its own before its last barrier); this one orders them
+    // before the loads below overwrite their operands.
+    __syncthreads();
+    if (k != k_resident || v != v_resident || kv_rows != kv_rows_resident) {
+      load_tile<kThreads>(sK, k, p.k.row_stride, kv_rows, head_dim, true, tid);
+      load_tile<kThreads>(sV, v, p.v.row_stride, kv_rows, head_dim, true, tid);
+      k_resident = k, v_resident = v, kv_rows_resident = kv_rows;
+    }
+
+    // Q, dO and their rows' lse2 / delta (the workspace pads them to whole
+    // tiles: lse2 = +inf past q_len, so those rows' P is 0).
+    auto load_q_tile = [&](int64_t m0, int s) {
+      const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));
+      load_tile<kThreads>(QTile{smem + 2 * s * QTile::kBytes}, q + m0 * p.q.row_stride, p.q.row_stride, valid,
+                          head_dim, true, tid);
+      load_tile<kThreads>(QTile{smem + (2 * s + 1) * QTile::kBytes}, d_o + m0 * p.d_o.row_stride, p.d_o.row_stride,
+                          valid, head_dim, true, tid);
+      if (tid < BM / 2) {
+        const int which = tid / (BM / 4), c = tid % (BM / 4);
+        cp_async_16(smem_addr(stats + (2 * s + which) * BM + 4 * c), (which ? delta_rows : lse2_rows) + m0 + 4 * c);
+      }
+      cp_async_commit();
+    };
+
+    const int64_t i_first = rows.lo / BM, i_last = (rows.hi - 1) / BM;
+    int stage = 0;
+    load_q_tile(i_first * BM, stage);
+#pragma unroll 1
+    for (int64_t i = i_first; i <= i_last; ++i, stage ^= 1) {
+      const int64_t m0 = i * BM;
+      cp_async_wait<0>();
+      fence_proxy_async_shared();  // the copies, before the tensor cores read them
+      __syncthreads();
+      // The other stage was last read by the previous tile's products, which
+      // every warpgroup waited for before the barrier above.
+      if (i < i_last) load_q_tile(m0 + BM, stage ^ 1);
+      const QTile sQ{smem + 2 * stage * QTile::kBytes}, sdO{smem + (2 * stage + 1) * QTile::kBytes};
+      const float* lse2 = stats + 2 * stage * BM;
+      const float* delta = lse2 + BM;
+
+      const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
+      // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
+#pragma unroll
+      for (int sub = 0; sub < BM / kSubM; ++sub) {
+        const int q0 = sub * kSubM;
+        Acc<kSubM> s, dp;
+        {
+          const GmmaOperand<KTile, false> k_op(sK, key0), v_op(sV, key0);
+          const GmmaOperand<QTile, false> q_op(sQ, q0), do_op(sdO, q0);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, kSubM, false, false>(s, k_op.step(kk), q_op.step(kk), kk > 0);
+          wgmma_commit();
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, kSubM, false, false>(dp, v_op.step(kk), do_op.step(kk), kk > 0);
+          wgmma_commit();
+        }
+
+        // P^T while dP^T computes. The columns are queries: each lane's two
+        // adjacent columns share one 8-byte load of the row statistics.
+        wgmma_wait<1>();
+        hold_acc(s);
+#pragma unroll
+        for (int nf = 0; nf < kSubM / 8; ++nf) {
+          const float2 l = *reinterpret_cast<const float2*>(lse2 + q0 + frag_col(nf, 0, lane));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][nf][e] = fmaf(s[0][nf][e], rt.score_mul, -(e & 1 ? l.y : l.x));
+        }
+        if (!full) mask_positions_transposed(s, ScoreBlock(p, b, m0 + q0, n0 + warp_key0), lane);
+#pragma unroll
+        for (int nf = 0; nf < kSubM / 8; ++nf)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][nf][e] = fast_exp2(s[0][nf][e]);  // exp2(-inf) = 0
+
+        // dS^T. P = 0 (masked, or a row without gradient) gives dS = 0
+        // exactly: an inf in V cannot leak in as 0 * inf = NaN.
+        wgmma_wait<0>();
+        hold_acc(dp);
+#pragma unroll
+        for (int nf = 0; nf < kSubM / 8; ++nf) {
+          const float2 dl = *reinterpret_cast<const float2*>(delta + q0 + frag_col(nf, 0, lane));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pv = s[0][nf][e];
+            dp[0][nf][e] = pv != 0.f ? pv * (dp[0][nf][e] - (e & 1 ? dl.y : dl.x)) : 0.f;
+          }
+        }
+
+        // Both as T: the A operands of dV += P^T dO and dK += dS^T Q, and
+        // dS^T to shared memory for dQ (register t of an A operand holds rows
+        // g (+8 for odd t), columns 2 (lane % 4) (+8 for t >= 2)).
+        uint32_t pa[kSubM / 16][4], dsa[kSubM / 16][4];
+#pragma unroll
+        for (int j = 0; j < kSubM / 16; ++j) {
+          a_operand<T>(pa[j], s, j);
+          a_operand<T>(dsa[j], dp, j);
+#pragma unroll
+          for (int t = 0; t < 4; ++t)
+            sdS.template at<uint32_t>(warp_key0 + lane / 4 + 8 * (t & 1), q0 + 16 * j + 8 * (t >> 1) + 2 * (lane % 4)) =
+                dsa[j][t];
+        }
+        const GmmaOperand<QTile, true> do_op(sdO, 0), q_op(sQ, 0);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dv, pa[j], do_op.step(q0 / 16 + j), true);
+#pragma unroll
+        for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dk, dsa[j], q_op.step(q0 / 16 + j), true);
+        wgmma_commit();
+      }
+      fence_proxy_async_shared();  // the dS^T stores, before the tensor cores read them
+      __syncthreads();
+
+      Acc<64> dq;
+      {
+        const GmmaOperand<DsTile, true> ds_op(sdS, dq_row0);
+        const GmmaOperand<KTile, true> k_op(sK, dq_col0);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_ss<T, 64, true, true>(dq, ds_op.step(kk), k_op.step(kk), kk > 0);
+        wgmma_commit();
+      }
+      wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
+      hold_acc(dq);
+
+      const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
+      int* const sem = rt.sems + (linear * rt.q_tiles + i) * Cfg::kDq.warps + dq_warp;
+      add_dq_chunk(dq, rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad + dq_warp * kDqWarpFloats, 0, sem, target,
+                   pending, dq_stage + dq_warp * kDqWarpFloats, lane);
+      pending = sem;
+    }
+  }
+  flush_dq_turn(pending, lane);
+  hold_acc(dk);
+  hold_acc(dv);
+
+  // Epilogue: dK (x scale) and dV through shared memory (as T) to global.
+  // Keys in [kv_len, S) are written too: their accumulators are 0.
+  cp_async_wait<0>();
+  __syncthreads();
+  store_frags<T>(sK, dk, warp_key0, 0, rt.scale, lane);
+  store_frags<T>(sV, dv, warp_key0, 0, 1.f, lane);
+  __syncthreads();
+  const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
+  const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
+  store_tile_rows<kThreads, BN>(sK, 0, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, rows_out,
+                                head_dim, rt.dk_vec, tid);
+  store_tile_rows<kThreads, BN>(sV, 0, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride, rows_out,
+                                head_dim, rt.dv_vec, tid);
+#else
+  (void)p, (void)rt;
+#endif
+}
+
+}  // namespace jaxflash::gpu
