@@ -1,10 +1,12 @@
 """jaxflash: FlashAttention for JAX.
 
 ``jaxflash.attention`` is a drop-in for ``jax.nn.dot_product_attention`` that
-runs jaxflash's own kernels (C++ on CPU, CUDA on NVIDIA GPUs) through XLA FFI.
+runs jaxflash's own kernels (C++ on CPU, CUDA on NVIDIA GPUs) through XLA FFI;
+``jaxflash.flax_attention`` is the same as the ``attention_fn`` of Flax's attention modules.
 """
 
 from jaxflash.attention import attention
+from jaxflash.flax_adapter import flax_attention
 from jaxflash.primitives import PLATFORMS
 
 __version__ = "0.1.0"
@@ -15,4 +17,4 @@ def backends() -> tuple[str, ...]:
   return PLATFORMS
 
 
-__all__ = ["attention", "backends", "__version__"]
+__all__ = ["attention", "backends", "flax_attention", "__version__"]

@@ -1,4 +1,4 @@
-"""jaxflash as the attention_fn of Flax's attention modules (nnx.MultiHeadAttention and
+"""jaxflash.flax_attention as the attention_fn of Flax's attention modules (nnx.MultiHeadAttention and
 linen.MultiHeadDotProductAttention), under jit: outputs and gradients (w.r.t. the parameters and
 the inputs) match the modules' default attention_fn.
 
@@ -21,33 +21,38 @@ from flax import linen, nnx
 
 import jaxflash
 import reference
+from jaxflash import flax_adapter
 
 BATCH, LENGTH, FEATURES, NUM_HEADS, QKV_FEATURES = 2, 24, 32, 4, 64  # head dim 16
-
-
-def jaxflash_attention_fn(query, key, value, bias=None, mask=None, *, dropout_rate=0.0,
-                          deterministic=True, is_causal=False, **unused):
-  """Temporary adapter from Flax's attention_fn convention to jaxflash.attention (a proper one
-  comes later). The keyword arguments are named, not only **unused, because linen passes only
-  the arguments that the function's signature names; nnx passes all of them (dropout_rng,
-  broadcast_dropout, dtype, precision, module, ...), which jaxflash does not need."""
-  assert dropout_rate == 0.0 or deterministic, "jaxflash has no attention dropout"
-  if mask is not None and mask.dtype != jnp.bool_:
-    # Flax masks default to float32 (make_causal_mask(dtype=float32)) and mean "nonzero =
-    # attend"; Flax's own dot_product_attention converts them the same way.
-    mask = mask.astype(jnp.bool_)
-  return jaxflash.attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal)
 
 
 def _causal_mask(api, dtype):
   return api.make_causal_mask(jnp.ones((BATCH, LENGTH)), dtype=dtype)  # (B, 1, T, T)
 
 
-# Each: the module's mask (from the module API's own helper), or None.
+def _key_padding_mask(api, dtype):
+  """Batch element 1 has its last 7 keys padded (every query still sees a key: Flax's default
+  attention averages the values of a fully masked row where jaxflash gives 0)."""
+  kv_valid = jnp.arange(LENGTH)[None, :] < jnp.array([[LENGTH], [LENGTH - 7]])
+  return api.make_attention_mask(jnp.ones((BATCH, LENGTH), jnp.bool_), kv_valid, dtype=dtype)
+
+
+def _random_mask(api, dtype):
+  """No structure jaxflash recognises: reaches the kernels as a dense mask."""
+  mask = jax.random.bernoulli(jax.random.key(7), 0.7, (BATCH, 1, LENGTH, LENGTH))
+  return mask.at[..., 0].set(True).astype(dtype)  # every query sees a key (see above)
+
+
+# Each: the module's mask (from the module API's own helpers), or None. flax_attention runs the
+# causal and padding ones as is_causal / sequence lengths, the random one as a dense mask.
 MASKINGS = {
     "no_mask": lambda api: None,
     "causal_mask_float": lambda api: _causal_mask(api, jnp.float32),
     "causal_mask_bool": lambda api: _causal_mask(api, jnp.bool_),
+    "key_padding": lambda api: _key_padding_mask(api, jnp.bool_),
+    "causal_key_padding": lambda api: api.combine_masks(_causal_mask(api, jnp.bool_),
+                                                        _key_padding_mask(api, jnp.bool_)),
+    "random_mask": lambda api: _random_mask(api, jnp.float32),
 }
 
 
@@ -132,7 +137,7 @@ def test_flax_module_with_jaxflash_matches_default(api, masking, dtype, backend,
                                dtype).values(),
       None if masking == "is_causal" else MASKINGS[masking](flax_api)))
 
-  params, ours_apply = reference.on_cpu(runner, jaxflash_attention_fn, dtype, static)
+  params, ours_apply = reference.on_cpu(runner, jaxflash.flax_attention, dtype, static)
   ours = _forward_and_grads(ours_apply, jax.device_put(params, device), x, mask, cotangent)
 
   tf32 = reference.baseline_uses_tf32(backend, dtype)
@@ -158,3 +163,64 @@ def test_flax_module_with_jaxflash_matches_default(api, masking, dtype, backend,
   for (path, o), r, b in zip(ours_leaves, jax.tree.leaves(ref_dparams),
                              jax.tree.leaves(base_dparams)):
     reference.assert_close(o, r, b, dtype, f"d{jax.tree_util.keystr(path)}")
+
+
+def _structure(mask):
+  kind, q_len, kv_len = jax.jit(flax_adapter.mask_structure)(jnp.asarray(mask, jnp.bool_))
+  return int(kind), q_len.tolist(), kv_len.tolist()
+
+
+def test_mask_structure_recognises_causal_and_prefix_padding_masks():
+  t_len, s_len = 5, 7
+  t = jnp.arange(t_len)[:, None]
+  s = jnp.arange(s_len)[None, :]
+  q_valid = jnp.arange(t_len)[None, :] < jnp.array([[5], [3]])
+  kv_valid = jnp.arange(s_len)[None, :] < jnp.array([[7], [4]])
+  padding = q_valid[:, :, None] & kv_valid[:, None, :]
+  causal = jnp.broadcast_to(s <= t, (2, t_len, s_len))
+  full = jnp.ones((2, t_len, s_len), jnp.bool_)
+  fa = flax_adapter
+  assert _structure(full) == (fa.PADDING, [5, 5], [7, 7])
+  assert _structure(padding) == (fa.PADDING, [5, 3], [7, 4])
+  assert _structure(causal) == (fa.CAUSAL_PADDING, [5, 5], [5, 5])
+  assert _structure(causal & padding) == (fa.CAUSAL_PADDING, [5, 3], [5, 3])
+  kind, q_len, kv_len = _structure(jnp.zeros((2, t_len, s_len), jnp.bool_))  # both structures fit
+  assert kind != fa.DENSE and q_len == kv_len == [0, 0]
+  # Left padding, a window, one stray element: dense.
+  assert _structure(jnp.broadcast_to(s >= 2, (2, t_len, s_len)))[0] == fa.DENSE
+  assert _structure(causal & (s >= t - 1))[0] == fa.DENSE
+  assert _structure(padding.at[1, 4, 0].set(True))[0] == fa.DENSE
+
+
+def test_flax_attention_merges_batch_axes_and_casts_dtype(device):
+  """Two batch axes, a (3, 1, 1, S) key-padding mask broadcast over the first, dtype=bfloat16:
+  the result matches jax.nn on the flattened batch."""
+  inputs = reference.random_inputs(jax.random.key(3), dict(q=(2, 3, 9, 4, 16), k=(2, 3, 9, 4, 16),
+                                                           v=(2, 3, 9, 4, 16)), "float32")
+  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  mask = (jnp.arange(9) < jnp.array([9, 5, 2])[:, None])[:, None, None, :]
+  out = jax.jit(lambda q, k, v, m: jaxflash.flax_attention(q, k, v, mask=m,
+                                                           dtype=jnp.bfloat16))(q, k, v, mask)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+
+  def flat_jax_nn(q, k, v, mask, dtype):
+    flat = lambda x: x.astype(jnp.bfloat16).astype(dtype).reshape((6,) + x.shape[2:])
+    dense = jnp.broadcast_to(mask, (2, 3, 1, 9, 9)).reshape(6, 1, 9, 9)
+    return jax.nn.dot_product_attention(flat(q), flat(k), flat(v), mask=dense)
+
+  ref, base = (reference.on_cpu(flat_jax_nn, q, k, v, mask, dtype)
+               for dtype in (jnp.float32, jnp.bfloat16))
+  reference.assert_close(out.reshape((6,) + out.shape[2:]), ref, base, "bfloat16", "out")
+
+
+def test_flax_attention_refuses_what_it_cannot_honour():
+  x = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(NotImplementedError, match="dropout_rate=0.1 with deterministic=False"):
+    jaxflash.flax_attention(x, x, x, dropout_rate=0.1, deterministic=False)
+  jaxflash.flax_attention(x, x, x, dropout_rate=0.1, deterministic=True)  # no dropout: fine
+  with pytest.raises(ValueError, match="sow its attention weights"):
+    jaxflash.flax_attention(x, x, x, module=object())
+  with pytest.raises(ValueError, match="custom attention einsums"):
+    jaxflash.flax_attention(x, x, x, qk_attn_weights_einsum=jnp.einsum)
+  with pytest.raises(ValueError, match="batch axes"):
+    jaxflash.flax_attention(x, x[0], x[0])

@@ -1,0 +1,157 @@
+"""jaxflash as the ``attention_fn`` of Flax's attention modules.
+
+``flax_attention`` takes the arguments that ``flax.linen.MultiHeadDotProductAttention``
+and ``flax.nnx.MultiHeadAttention`` pass to their ``attention_fn`` (linen passes only the
+keyword arguments the function's signature names, so every one it may pass is named here,
+and the ones jaxflash cannot honour raise instead of being dropped silently).
+
+Masks. Flax modules receive their mask as a dense ``(batch..., 1 or heads, T, S)`` array,
+usually from ``make_causal_mask`` and ``make_attention_mask`` (padding). Read as such, the
+kernels would stream that T×S mask tile by tile and could skip nothing. So a mask shared by
+the heads is classified on the device first, in one pass over it: when it equals "query
+``t < q_len[b]`` sees key ``s < kv_len[b]``", with or without ``s <= t`` (prefix padding of
+queries and keys, a causal mask, or both), the kernels get ``is_causal`` and the sequence
+lengths instead, which skip whole tiles; any other mask reaches them as it is. The choice is a
+``lax.switch`` on that result: both kernels are compiled, one runs (under ``vmap`` of the
+whole call the switch becomes a select, and both run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.attention import attention
+
+# What mask_structure returns.
+DENSE, PADDING, CAUSAL_PADDING = 0, 1, 2
+
+
+def mask_structure(mask):
+  """Classifies a boolean ``(B, T, S)`` mask: ``(kind, q_len, kv_len)``.
+
+  ``kind`` (an int32 scalar) is ``PADDING`` when ``mask[b, t, s] == (t < q_len[b]) &
+  (s < kv_len[b])`` for every element, ``CAUSAL_PADDING`` when it equals that and ``s <= t``,
+  else ``DENSE``; ``q_len`` / ``kv_len`` (int32 ``(B,)``) count the rows that see a key and
+  the keys that a row sees.
+  """
+  _, t_len, s_len = mask.shape
+  q_len = jnp.sum(jnp.any(mask, axis=2), axis=1, dtype=jnp.int32)
+  kv_len = jnp.sum(jnp.any(mask, axis=1), axis=1, dtype=jnp.int32)
+  t = lax.broadcasted_iota(jnp.int32, (1, t_len, s_len), 1)
+  s = lax.broadcasted_iota(jnp.int32, (1, t_len, s_len), 2)
+  box = (t < q_len[:, None, None]) & (s < kv_len[:, None, None])
+  is_box = jnp.all(mask == box)
+  is_causal_box = jnp.all(mask == (box & (s <= t)))
+  kind = jnp.where(is_causal_box, CAUSAL_PADDING, jnp.where(is_box, PADDING, DENSE))
+  return kind.astype(jnp.int32), q_len, kv_len
+
+
+def _precision_name(precision):
+  """Flax's PrecisionLike (None, a name, a lax.Precision or a pair of them) as one value for
+  jaxflash.attention: of a pair, the higher precision, since both operands go through the same
+  products."""
+  if isinstance(precision, (tuple, list)):
+    if len(precision) != 2:
+      raise ValueError(f"flax_attention: precision must be None, a precision or a pair of them; "
+                       f"got {precision!r}")
+    levels = [lax.Precision(p) if p is not None else lax.Precision.DEFAULT for p in precision]
+    return max(levels, key=lambda p: p.value)
+  return precision
+
+
+def _merge_batch(x, batch_shape, name):
+  """(batch..., a, b, c) -> (prod(batch), a, b, c), broadcasting x's leading axes to the
+  query's batch shape first."""
+  if x.ndim - 3 > len(batch_shape):
+    raise ValueError(f"flax_attention: {name} has shape {x.shape}, more leading (batch) axes than "
+                     f"the query's batch shape {tuple(batch_shape)}")
+  x = jnp.broadcast_to(x, tuple(batch_shape) + x.shape[-3:])
+  return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+
+
+def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype=None, precision=None, module=None, is_causal: bool = False,
+                   force_fp32_for_softmax: bool = False, qk_attn_weights_einsum=None,
+                   attn_weights_value_einsum=None):
+  """Attention in Flax's ``attention_fn`` convention, computed by jaxflash's kernels.
+
+  Use it as ``nnx.MultiHeadAttention(..., attention_fn=jaxflash.flax_attention)`` or
+  ``linen.MultiHeadDotProductAttention(..., attention_fn=jaxflash.flax_attention)``.
+
+  Args:
+    query: ``(batch..., T, N, H)``.
+    key, value: ``(batch..., S, K, H)``, ``N % K == 0``.
+    bias: added to the logits, broadcastable to ``(batch..., N, T, S)``.
+    mask: True (or nonzero) = attend, broadcastable to ``(batch..., N, T, S)``. A mask shared
+      by the heads that is a causal and/or prefix-padding mask runs as ``is_causal`` and
+      sequence lengths (see the module docstring).
+    dropout_rate, deterministic, dropout_rng, broadcast_dropout: attention dropout is not
+      implemented yet; ``dropout_rate > 0`` with ``deterministic=False`` raises.
+    dtype: the computation dtype; query, key and value are cast to it when given.
+    precision: for float32 inputs, as :func:`jaxflash.attention`'s (a pair takes the higher).
+    module: set by Flax when the module sows its attention weights, which FlashAttention never
+      forms: raises.
+    is_causal: (nnx) causal masking on top of ``mask``.
+    force_fp32_for_softmax: accepted; jaxflash's softmax is always float32.
+    qk_attn_weights_einsum, attn_weights_value_einsum: custom einsums (AQT) cannot run inside
+      the kernels: anything but None raises.
+
+  Returns:
+    ``(batch..., T, N, H)`` in the query's dtype (``dtype`` when given).
+  """
+  del broadcast_dropout, dropout_rng, force_fp32_for_softmax
+  if dropout_rate > 0.0 and not deterministic:
+    raise NotImplementedError(
+        f"flax_attention: dropout_rate={dropout_rate} with deterministic=False asks for attention "
+        "dropout, which jaxflash does not implement yet; use dropout_rate=0 or deterministic=True")
+  if module is not None:
+    raise ValueError("flax_attention: the module asked to sow its attention weights "
+                     "(sow_weights=True), which FlashAttention never materialises")
+  if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+    raise ValueError("flax_attention: custom attention einsums (qk_attn_weights_einsum, "
+                     "attn_weights_value_einsum) are not supported; jaxflash runs its own kernels")
+  if dtype is not None:
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if jnp.ndim(x) < 3:
+      raise ValueError(f"flax_attention: {name} must be (batch..., length, heads, head_dim); "
+                       f"got shape {jnp.shape(x)}")
+  batch_shape = query.shape[:-3]
+  if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+    raise ValueError(f"flax_attention: query, key and value must share their batch axes; got "
+                     f"{query.shape}, {key.shape}, {value.shape}")
+  q, k, v = (_merge_batch(x, batch_shape, n) for x, n in ((query, "query"), (key, "key"),
+                                                          (value, "value")))
+  if bias is not None:
+    bias = _merge_batch(jnp.asarray(bias), batch_shape, "bias") if jnp.ndim(bias) > 3 else bias
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    mask = _merge_batch(mask, batch_shape, "mask") if mask.ndim > 3 else mask
+  out = _attend(q, k, v, bias, mask, is_causal, _precision_name(precision))
+  return out.reshape(query.shape)
+
+
+def _attend(q, k, v, bias, mask, is_causal, precision):
+  call = lambda **kwargs: attention(q, k, v, bias, precision=precision, **kwargs)
+  if mask is None:
+    return call(is_causal=is_causal)
+  b, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]
+  if mask.ndim < 3 or mask.shape[-3] != 1 or any(n not in (1, m) for n, m in
+                                                   zip(mask.shape[-2:], (t_len, s_len))):
+    # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
+    return call(mask=mask, is_causal=is_causal)
+  kind, q_len, kv_len = mask_structure(jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len)))
+  if is_causal:  # the mask and causality: a padding mask becomes causal padding
+    kind = jnp.where(kind == PADDING, CAUSAL_PADDING, kind)
+  branches = [
+      lambda: call(mask=mask, is_causal=is_causal),
+      lambda: call(query_seq_lengths=q_len, key_value_seq_lengths=kv_len),
+      lambda: call(is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len),
+  ]
+  return lax.switch(kind, branches)
