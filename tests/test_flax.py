@@ -157,12 +157,20 @@ def test_flax_module_with_jaxflash_matches_default(api, masking, dtype, backend,
   (ours_out, ours_dparams, ours_dx), (ref_out, ref_dparams, ref_dx), (base_out, base_dparams,
                                                                       base_dx) = ours, ref, base
   assert ours_out.shape == x.shape and ours_out.dtype == x.dtype
-  reference.assert_close(ours_out, ref_out, base_out, dtype, "out")
-  reference.assert_close(ours_dx, ref_dx, base_dx, dtype, "d inputs")
-  ours_leaves = jax.tree_util.tree_leaves_with_path(ours_dparams)
-  for (path, o), r, b in zip(ours_leaves, jax.tree.leaves(ref_dparams),
-                             jax.tree.leaves(base_dparams)):
-    reference.assert_close(o, r, b, dtype, f"d{jax.tree_util.keystr(path)}")
+  tolerance = reference.compute_name(backend, dtype)
+  reference.assert_close(ours_out, ref_out, base_out, tolerance, "out")
+  reference.assert_close(ours_dx, ref_dx, base_dx, tolerance, "d inputs")
+  names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(ref_dparams)]
+  ref_grads = dict(zip(names, jax.tree.leaves(ref_dparams)))
+  for name, o, r, b in zip(names, jax.tree.leaves(ours_dparams), jax.tree.leaves(ref_dparams),
+                           jax.tree.leaves(base_dparams)):
+    # The key projection's bias gets gradient 0 (softmax is invariant to a shift of every
+    # logit of a row): a sum over batch and positions of dK that cancels, so its error scales
+    # with those terms, which the key kernel's gradient sums too (times unit-scale inputs).
+    floor = 1.0
+    if "key" in name and "bias" in name:
+      floor = max(1.0, float(jnp.max(jnp.abs(ref_grads[name.replace("bias", "kernel")]))))
+    reference.assert_close(o, r, b, tolerance, f"d{name}", floor=floor)
 
 
 def _structure(mask):
