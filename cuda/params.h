@@ -34,6 +34,7 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   bias, mask, dbias           : row = query position,    col = key position
 //   lse, delta                  : row = query position,    col unused
 //   q_lens, kv_lens             : instance strides only
+//   seed                        : col = word (2 uint32 per instance), no rows
 // data == nullptr means the operand is absent.
 struct ArrayView {
   void* data = nullptr;
@@ -55,6 +56,7 @@ enum Flags : int64_t {
   // float32 inputs: fp32-accurate products via 3xTF32, what precision="highest"
   // asks for; ignored for 16-bit dtypes, whose operands are exact in the MMA already.
   kExactF32 = 1 << 8,
+  kDropout = 1 << 9,  // attention dropout on P (see dropout.h); needs seed
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -80,8 +82,16 @@ struct AttentionParams {
   int64_t window_left = kUnbounded;
   int64_t window_right = kUnbounded;
 
+  // Attention dropout (kDropout): entry (t, s) of P is kept iff
+  // dropout_bits(dropout_row_key(seed words, t), s) < keep_threshold (dropout.h), and the
+  // kept entries are scaled by keep_scale = 1 / (1 - rate). The softmax's normaliser, and so
+  // lse, is that of the undropped P.
+  uint32_t keep_threshold = 0;
+  float keep_scale = 1.f;
+
   // Forward operands and results.
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
+  ArrayView seed;                                  // uint32: the dropout seed of each instance
   ArrayView o, lse;                                // lse: float32, natural log, -inf for empty rows
 
   // Backward operands and results (unused by the forward). delta is

@@ -6,6 +6,7 @@ runs jaxflash's own kernels (C++ on CPU, CUDA on NVIDIA GPUs) through XLA FFI;
 """
 
 from jaxflash.attention import attention
+from jaxflash.dropout import dropout_mask
 from jaxflash.flax_adapter import flax_attention
 from jaxflash.primitives import PLATFORMS
 
@@ -17,4 +18,4 @@ def backends() -> tuple[str, ...]:
   return PLATFORMS
 
 
-__all__ = ["attention", "backends", "flax_attention", "__version__"]
+__all__ = ["attention", "backends", "dropout_mask", "flax_attention", "__version__"]

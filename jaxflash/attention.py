@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from jaxflash import dropout as dropout_lib
 from jaxflash import primitives as prims
 from jaxflash.layout import COL, ROW, Layout, drop_col
 from jaxflash.primitives import KernelConfig
@@ -31,7 +32,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
               local_window_size: int | tuple[int, int] | None = None,
               implementation: None = None, return_residual: bool = False,
               mask_alignment: Literal["top_left", "bottom_right"] = "top_left",
-              precision: str | jax.lax.Precision | None = None):
+              precision: str | jax.lax.Precision | None = None, dropout_rate: float = 0.0,
+              dropout_rng: jax.Array | None = None, broadcast_dropout: bool = False):
   r"""Scaled dot-product attention, computed by jaxflash's FlashAttention kernels.
 
   Same arguments, shapes and semantics as :func:`jax.nn.dot_product_attention`:
@@ -70,6 +72,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       float32-accurate products; everything else lets the CUDA kernels use
       tf32 tensor cores, like XLA's own float32 default on Ampere and later.
       The CPU kernels are always float32-exact; 16-bit inputs are unaffected.
+    dropout_rate: attention dropout, a Python float in ``[0, 1)``: each entry of
+      the softmax is dropped with this probability and the kept ones are scaled
+      by ``1 / (1 - dropout_rate)``; the normaliser (and the logsumexp) are the
+      undropped softmax's. 0 turns dropout off.
+    dropout_rng: a :func:`jax.random.key` (or legacy ``PRNGKey``), required when
+      ``dropout_rate > 0``. The same key gives the same mask; the backward
+      regenerates it, nothing ``T×S`` is stored. :func:`jaxflash.dropout_mask`
+      returns it.
+    broadcast_dropout: one mask for every batch item and head (Flax's
+      ``broadcast_dropout=True``) rather than one per (batch item, head).
 
   Returns:
     The attention output, shaped like ``query``; with ``return_residual``, a
@@ -77,17 +89,18 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
 
   Differences from jax.nn.dot_product_attention: a query row that sees no key
   outputs 0 and has logsumexp ``-inf`` (jax.nn averages V there); the returned
-  logsumexp is differentiable (jax.nn stops its gradient).
+  logsumexp is differentiable (jax.nn stops its gradient); dropout, which
+  jax.nn does not have.
   """
   call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                    key_value_seq_lengths, local_window_size, implementation, return_residual,
-                   mask_alignment, precision)
+                   mask_alignment, precision, dropout_rate, dropout_rng, broadcast_dropout)
   if call.is_empty:
     out = jnp.zeros(call.q.shape, call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
   else:
     out, lse = _flash(call.q, call.k, call.v, call.bias, call.mask, call.q_lens, call.kv_lens,
-                      call.config)
+                      call.seed, call.config)
     lse = lse.astype(call.q.dtype)
   return (out, lse) if return_residual else out
 
@@ -103,6 +116,7 @@ class _Call:
   mask: jax.Array | None
   q_lens: jax.Array | None
   kv_lens: jax.Array | None
+  seed: jax.Array | None
   config: KernelConfig
   is_empty: bool
 
@@ -120,7 +134,7 @@ def _as_array(x, name: str) -> jax.Array:
 
 def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
               key_value_seq_lengths, local_window_size, implementation, return_residual,
-              mask_alignment, precision) -> _Call:
+              mask_alignment, precision, dropout_rate, dropout_rng, broadcast_dropout) -> _Call:
   if implementation is not None:
     raise ValueError(f"jaxflash.attention: implementation must be None (jaxflash always uses "
                      f"its own kernels), got {implementation!r}")
@@ -128,7 +142,8 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
     raise ValueError(f"jaxflash.attention: mask_alignment must be 'top_left' or 'bottom_right', "
                      f"got {mask_alignment!r}")
   exact_f32 = _exact_f32(precision)
-  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual)):
+  for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
+                     ("broadcast_dropout", broadcast_dropout)):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(f"jaxflash.attention: {name} must be a bool, got {flag!r}")
 
@@ -251,10 +266,58 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
     if layout is not None:
       layouts[name] = layout
       flags |= flag
-  config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
-                        seq_dims=(T, S, H), scale=scale, window=window, flags=flags)
   is_empty = 0 in (B, T, S, N, H)
-  return _Call(q, k, v, bias, mask, q_lens, kv_lens, config, is_empty)
+
+  rate = _dropout_rate(dropout_rate)
+  seed, keep_threshold, keep_scale = None, 0, 1.0
+  if rate > 0.0:
+    if dropout_rng is None:
+      raise ValueError(f"jaxflash.attention: dropout_rate={rate} needs a dropout_rng (a "
+                       f"jax.random.key), got None")
+    keep_threshold, keep_scale = dropout_lib.keep_threshold_and_scale(rate)
+    if not is_empty:
+      seed = _dropout_seeds(dropout_rng, logits_shape, broadcast_dropout)
+      seed_roles = (() if broadcast_dropout else logits_roles[:-2]) + (COL,)
+      layouts["seed"] = tuple(zip(seed_roles, seed.shape))
+      flags |= prims.DROPOUT
+  config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
+                        seq_dims=(T, S, H), scale=scale, window=window, flags=flags,
+                        keep_threshold=keep_threshold, keep_scale=keep_scale)
+  return _Call(q, k, v, bias, mask, q_lens, kv_lens, seed, config, is_empty)
+
+
+def _dropout_rate(dropout_rate) -> float:
+  if isinstance(dropout_rate, bool):
+    raise TypeError(f"jaxflash.attention: dropout_rate must be a Python float, got {dropout_rate!r}")
+  try:
+    rate = float(dropout_rate)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(f"jaxflash.attention: dropout_rate must be a Python float (a static value, "
+                    f"not a traced array), got {dropout_rate!r}") from e
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"jaxflash.attention: dropout_rate must be in [0, 1), got {dropout_rate!r}")
+  return rate
+
+
+def _dropout_seeds(dropout_rng, logits_shape, broadcast_dropout: bool) -> jax.Array:
+  """The seed words from the user's key, with an error that names dropout_rng for anything
+  jax.random does not take as a key."""
+  try:
+    rng = jnp.asarray(dropout_rng)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"jaxflash.attention: dropout_rng must be a jax.random key, got "
+                    f"{type(dropout_rng).__name__}") from e
+  if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.ndim != 0:
+      raise ValueError(f"jaxflash.attention: dropout_rng must be a single key (shape ()), got a "
+                       f"key array of shape {tuple(rng.shape)}; split it outside or use jax.vmap")
+  else:
+    expected = jax.random.key_data(jax.random.key(0)).shape
+    if rng.dtype != jnp.uint32 or rng.shape != expected:
+      raise TypeError(f"jaxflash.attention: dropout_rng must be a jax.random.key or legacy "
+                      f"uint32 key data of shape {expected}, got {rng.dtype} of "
+                      f"{_shape_str(rng)}")
+  return dropout_lib.seeds(rng, logits_shape, broadcast_dropout)
 
 
 def _window(local_window_size, is_causal) -> tuple[int, int]:
@@ -335,25 +398,26 @@ class _WantDbias:
   value: bool
 
 
-def _optional_operands(bias, mask, q_lens, kv_lens, dtype):
-  """bias, mask, q_lens, kv_lens with zero-size placeholders for the absent ones."""
+def _optional_operands(bias, mask, q_lens, kv_lens, seed, dtype):
+  """bias, mask, q_lens, kv_lens, seed with zero-size placeholders for the absent ones."""
   return tuple(prims.absent(slot, dtype) if x is None else x
                for x, slot in ((bias, "bias"), (mask, "mask"), (q_lens, "q_lens"),
-                               (kv_lens, "kv_lens")))
+                               (kv_lens, "kv_lens"), (seed, "seed")))
 
 
-def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, config):
-  return prims.forward_p.bind(q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, q.dtype),
-                              config=config)
+def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
+  return prims.forward_p.bind(
+      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), config=config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, config):
-  return tuple(_bind_forward(q, k, v, bias, mask, q_lens, kv_lens, config))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
+  return tuple(_bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config))
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, config):
-  values = [x.value if x is not None else None for x in (q, k, v, bias, mask, q_lens, kv_lens)]
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
+  values = [x.value if x is not None else None
+            for x in (q, k, v, bias, mask, q_lens, kv_lens, seed)]
   # The output stays float32 as the backward's residual (see delta in _flash_bwd).
   out32, lse = _bind_forward(*values, config.replace(flags=config.flags | prims.OUTPUT_F32))
   want_dbias = bias is not None and bias.perturbed
@@ -361,7 +425,7 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, config):
 
 
 def _flash_bwd(config, residuals, cotangents):
-  (q, k, v, bias, mask, q_lens, kv_lens), out32, lse, want_dbias = residuals
+  (q, k, v, bias, mask, q_lens, kv_lens, seed), out32, lse, want_dbias = residuals
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
@@ -381,11 +445,11 @@ def _flash_bwd(config, residuals, cotangents):
     flags |= prims.HAS_DBIAS
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
   dq, dk, dv, dbias, _ = prims.backward_p.bind(
-      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, q.dtype), lse, delta,
+      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), lse, delta,
       d_out.astype(q.dtype), config=bwd_config)
   if closed_form_dbias:
     dbias = _row_shift_gradient(d_lse, lse, bias)
-  return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None
+  return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None, None
 
 
 def _delta(d_out, out32, *, tf32: bool):

@@ -90,8 +90,11 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     mask: True (or nonzero) = attend, broadcastable to ``(batch..., N, T, S)``. A mask shared
       by the heads that is a causal and/or prefix-padding mask runs as ``is_causal`` and
       sequence lengths (see the module docstring).
-    dropout_rate, deterministic, dropout_rng, broadcast_dropout: attention dropout is not
-      implemented yet; ``dropout_rate > 0`` with ``deterministic=False`` raises.
+    dropout_rate, deterministic, dropout_rng, broadcast_dropout: attention dropout, in the
+      kernels (see :func:`jaxflash.attention`), when ``dropout_rate > 0`` and not
+      ``deterministic``. Flax's semantics (kept weights scaled by ``1 / (1 - rate)``; with
+      ``broadcast_dropout`` one mask for all batch items and heads), but jaxflash's own mask
+      for a key: the same distribution as Flax's, not the same bits.
     dtype: the computation dtype; query, key and value are cast to it when given.
     precision: for float32 inputs, as :func:`jaxflash.attention`'s (a pair takes the higher).
     module: set by Flax when the module sows its attention weights, which FlashAttention never
@@ -104,11 +107,7 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
   Returns:
     ``(batch..., T, N, H)`` in the query's dtype (``dtype`` when given).
   """
-  del broadcast_dropout, dropout_rng, force_fp32_for_softmax
-  if dropout_rate > 0.0 and not deterministic:
-    raise NotImplementedError(
-        f"flax_attention: dropout_rate={dropout_rate} with deterministic=False asks for attention "
-        "dropout, which jaxflash does not implement yet; use dropout_rate=0 or deterministic=True")
+  del force_fp32_for_softmax
   if module is not None:
     raise ValueError("flax_attention: the module asked to sow its attention weights "
                      "(sow_weights=True), which FlashAttention never materialises")
@@ -133,12 +132,16 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     mask = jnp.asarray(mask)
     mask = mask if mask.dtype == jnp.bool_ else mask != 0
     mask = _merge_batch(mask, batch_shape, "mask") if mask.ndim > 3 else mask
-  out = _attend(q, k, v, bias, mask, is_causal, _precision_name(precision))
+  dropout = {}
+  if dropout_rate > 0.0 and not deterministic:
+    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                   broadcast_dropout=bool(broadcast_dropout))
+  out = _attend(q, k, v, bias, mask, is_causal, _precision_name(precision), dropout)
   return out.reshape(query.shape)
 
 
-def _attend(q, k, v, bias, mask, is_causal, precision):
-  call = lambda **kwargs: attention(q, k, v, bias, precision=precision, **kwargs)
+def _attend(q, k, v, bias, mask, is_causal, precision, dropout):
+  call = lambda **kwargs: attention(q, k, v, bias, precision=precision, **dropout, **kwargs)
   if mask is None:
     return call(is_causal=is_causal)
   b, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]

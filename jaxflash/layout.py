@@ -30,7 +30,7 @@ Layout = tuple[Axis, ...]
 # The operand slots of the FFI "strides" attribute, in the order that
 # cuda/ffi/decode.h reads them.
 SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
-         "d_o", "delta", "dq", "dk", "dv", "dbias")
+         "d_o", "delta", "dq", "dk", "dv", "dbias", "seed")
 
 # Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8

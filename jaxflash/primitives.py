@@ -1,10 +1,11 @@
 """The forward and backward attention primitives.
 
-``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens) -> (o, lse)
-``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, lse, delta, d_o)
+``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed) -> (o, lse)
+``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
                   -> (dq, dk, dv, dbias, workspace)
 
-Absent optional operands are zero-size arrays (flags say which are present).
+Absent optional operands are zero-size arrays (flags say which are present);
+``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py).
 ``workspace`` is the CUDA backward's scratch (uint8), sized here at abstract
 evaluation by the native module so the handler never allocates.
 Each primitive has an abstract evaluation, a lowering to the FFI target of the
@@ -42,16 +43,17 @@ BOTTOM_RIGHT = 1 << 4
 HAS_DBIAS = 1 << 6
 OUTPUT_F32 = 1 << 7
 EXACT_F32 = 1 << 8  # float32 inputs: float32-accurate products (3xTF32 on CUDA), not tf32
+DROPOUT = 1 << 9  # attention dropout on P, decided from the seed operand
 UNBOUNDED = -1
 
-FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens")
+FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed")
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
 FORWARD_RESULTS = ("o", "lse")
 BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
 # The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
 # axis must be minor-most in memory.
 COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
-ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32}
+ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,8 @@ class KernelConfig:
 
   ``layouts`` maps each present operand/result slot to its layout; slots of
   absent operands are missing. ``window`` is (left, right) with UNBOUNDED for
-  an open side; is_causal is a right window of 0.
+  an open side; is_causal is a right window of 0. ``keep_threshold`` and
+  ``keep_scale`` are the dropout's (with the DROPOUT flag; jaxflash/dropout.py).
   """
   instance_sizes: tuple[int, ...]
   layouts: tuple[tuple[str, Layout], ...]
@@ -68,6 +71,8 @@ class KernelConfig:
   scale: float
   window: tuple[int, int]
   flags: int
+  keep_threshold: int = 0
+  keep_scale: float = 1.0
 
   def layout(self, slot: str) -> Layout | None:
     return dict(self.layouts).get(slot)
@@ -100,7 +105,8 @@ class KernelConfig:
     return dict(instance_sizes=sizes, strides=strides,
                 dims=np.asarray(self.seq_dims, np.int64), scale=np.float32(self.scale),
                 window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
-                flags=np.int64(self.flags))
+                flags=np.int64(self.flags), keep_threshold=np.int64(self.keep_threshold),
+                keep_scale=np.float32(self.keep_scale))
 
 
 def absent(slot: str, dtype) -> jax.Array:
@@ -114,8 +120,8 @@ forward_p = core.Primitive("jaxflash_fwd")
 forward_p.multiple_results = True
 
 
-def _forward_abstract_eval(q, k, v, bias, mask, q_lens, kv_lens, *, config):
-  del k, v, bias, mask, q_lens, kv_lens
+def _forward_abstract_eval(q, k, v, bias, mask, q_lens, kv_lens, seed, *, config):
+  del k, v, bias, mask, q_lens, kv_lens, seed
   o_dtype = jnp.float32 if config.has(OUTPUT_F32) else q.dtype
   return (jax.core.ShapedArray(shape_of(config.layout("o")), o_dtype),
           jax.core.ShapedArray(shape_of(config.layout("lse")), jnp.float32))

@@ -27,7 +27,9 @@ jax.nn (docs/CONTRACT_DRAFT.md):
   * the returned lse is differentiable (jax.nn stop-gradients it), so the reference computes
     the lse itself.
 It also supports mask_alignment="bottom_right", which jax.nn lacks, by building that mask
-explicitly and passing it as `mask`.
+explicitly and passing it as `mask`, and attention dropout, which jax.nn lacks too: the restated
+XLA path multiplies its probabilities by jaxflash.dropout_mask (the kernels' mask, restated in
+jnp; test_dropout checks the two agree bit for bit) over 1 - rate.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import jaxflash
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -61,7 +65,7 @@ SAME_KERNEL_TOL = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-3), "bfloat16":
 
 GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias"}
 DIFFERENTIABLE = ("query", "key", "value", "bias")
-NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths")
+NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths", "dropout_rng")
 
 
 def dtype_name(dtype) -> str:
@@ -318,7 +322,7 @@ def _masked_logsumexp(logits, visible):
   return jnp.where(row_visible, lse, -jnp.inf)
 
 
-def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False):
+def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False, dropout4=None):
   """jax.nn's XLA path (_dot_product_attention_core) restated for the input dtype: float32
   logits from input-dtype operands, masked with jax.nn's large negative, float32 softmax, P cast
   to the value dtype, PV in the value dtype. With `tf32`, both matmuls (and their transposes in
@@ -328,12 +332,18 @@ def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False):
   F16_F16_F32 / BF16_BF16_F32, which XLA:CPU rejects when the VJP is compiled ("The precision
   'F16_F16_F32' is not supported by dot_general on CPU"), i.e. jax.nn's half-precision
   gradients do not run on CPU at all. test_reference_is_jax_nn checks that this restatement
-  equals jax.nn where both run."""
+  equals jax.nn where both run.
+
+  dropout4: None, or the float32 (B|1, N|1, T, S) multiplier keep / (1 - rate) applied to the
+  float32 probabilities (as Flax applies its dropout to the attention weights)."""
   B, T, N, H = q4.shape
   S, K = k4.shape[1], k4.shape[2]
   logits = _logits(q4, k4, bias4, scale, None, tf32)
   large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
-  probs = jax.nn.softmax(jnp.where(visible, logits, large_negative), axis=-1).astype(v4.dtype)
+  probs = jax.nn.softmax(jnp.where(visible, logits, large_negative), axis=-1)
+  if dropout4 is not None:
+    probs = probs * dropout4
+  probs = probs.astype(v4.dtype)
   probs = jnp.reshape(probs, (B, K, N // K, T, S))
   out = _einsum("bkgts,bskh->btkgh", probs, v4, tf32=tf32)
   return jnp.reshape(out, (B, T, N, H))
@@ -342,19 +352,28 @@ def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False):
 def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                return_residual=False, mask_alignment="top_left", compute_dtype=None,
-               precision=None, use_jax_nn=True, tf32=False):
+               precision=None, use_jax_nn=True, tf32=False, dropout_rate=0.0, dropout_rng=None,
+               broadcast_dropout=False):
   """jax.nn.dot_product_attention's semantics with jaxflash's conventions (module docstring).
 
   compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
   precision: a jax.default_matmul_precision name, or None for the default.
-  use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated.
+  use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated (always, with
+    dropout, which jax.nn does not have).
   tf32: round every matmul operand to tf32 (only with use_jax_nn=False).
+  dropout_rate, dropout_rng, broadcast_dropout: jaxflash.attention's.
   """
   assert not (tf32 and use_jax_nn), "tf32 applies to the restated path"
   in_dtype = query.dtype
   if compute_dtype is not None:
     query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
     bias = None if bias is None else bias.astype(compute_dtype)
+  dropout4 = None
+  if dropout_rate > 0.0:
+    use_jax_nn = False
+    keep = jaxflash.dropout_mask(dropout_rng, query.shape, key.shape, dropout_rate,
+                                 broadcast_dropout=broadcast_dropout)
+    dropout4 = _expand_leading(keep.astype(jnp.float32) / jnp.float32(1.0 - dropout_rate))
   q4, k4, v4, bias4, mask4 = _to_4d(query, key, value, bias, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q4.shape[-1])
@@ -368,7 +387,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                        else contextlib.nullcontext())
   with precision_context:
     if not use_jax_nn:
-      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32)
+      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32, dropout4)
     else:
       if mask_alignment == "bottom_right":
         # jax.nn only knows top-left diagonals: hand it the complete visibility as a mask.
@@ -430,7 +449,9 @@ def forward_and_grads(attention_fn: Callable, inputs: Mapping[str, jax.Array | N
   sum(out * cotangent) (+ sum(lse * lse_cotangent)) but, unlike the sum, well defined when lse
   is -inf. Returns (outputs, {"dq": ..., "dk": ..., "dv": ..., "dbias": ...})."""
   differentiable = {n: inputs[n] for n in DIFFERENTIABLE if inputs.get(n) is not None}
-  fixed = {n: inputs.get(n) for n in NON_DIFFERENTIABLE}
+  # (dropout_rng only where given: not every attention_fn under test takes it.)
+  fixed = {n: inputs.get(n) for n in NON_DIFFERENTIABLE
+           if n != "dropout_rng" or inputs.get(n) is not None}
 
   @jax.jit
   def run(differentiable, fixed, cotangent):

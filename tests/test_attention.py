@@ -57,6 +57,8 @@ class Case:
   bias_neg_inf: bool = False  # ~10% of the bias entries (never key 0) are -inf
   lengths_out_of_range: bool = False  # lengths above T/S and negative (jax.nn clamps)
   precision: str | None = None  # jaxflash's argument (float32: "highest" = exact products)
+  dropout_rate: float = 0.0  # > 0: dropout from a fixed key (make_inputs), same mask in the reference
+  broadcast_dropout: bool = False
 
   def axis_sizes(self):
     return dict(B=self.batch, N=self.num_heads, T=self.q_len, S=self.kv_len)
@@ -94,6 +96,8 @@ class Case:
       kwargs["mask_alignment"] = self.alignment
     if self.precision is not None:
       kwargs["precision"] = self.precision
+    if self.dropout_rate > 0.0:
+      kwargs.update(dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout)
     return kwargs
 
 
@@ -151,6 +155,19 @@ SHAPE_FEATURES = {
     "lengths_out_of_range": dict(batch=3, q_lengths=True, kv_lengths=True,
                                  lengths_out_of_range=True),
 }
+# Attention dropout: the reference applies jaxflash.dropout_mask for the same key (test_dropout
+# checks that it is the kernels' mask). With the masking features it meets (lengths, dense mask,
+# causal, GQA), a bias whose gradient goes through the dropped P, and every layout.
+DROPOUT_FEATURES = {
+    "dropout": dict(dropout_rate=0.2),
+    "dropout_causal_gqa": dict(dropout_rate=0.5, is_causal=True, num_heads=4, num_kv_heads=2),
+    "dropout_broadcast_bias": dict(dropout_rate=0.1, broadcast_dropout=True, bias="1NTS"),
+    "dropout_lengths_mask_residual": dict(dropout_rate=0.3, batch=3, q_lengths=True,
+                                          kv_lengths=True, mask="B1TS", return_residual=True),
+    "dropout_layout_TNH": dict(dropout_rate=0.25, layout="TNH", num_heads=4, num_kv_heads=1),
+    "dropout_layout_TH_window": dict(dropout_rate=0.4, layout="TH", num_heads=1, num_kv_heads=1,
+                                     window=(9, 2)),
+}
 # float32 with precision="highest": the CUDA kernels' exact (3xTF32) products, compared with the
 # exact float32 baseline (on CPU they check that the argument is accepted and changes nothing).
 SEQLENS_HIGHEST = ((113, 203),)
@@ -179,7 +196,7 @@ def _feature_cases():
   every feature meets every dtype and several head dims."""
   params = []
   groups = ((POSITIONAL_FEATURES, SEQLENS), (SHAPE_FEATURES, SEQLENS_FEW),
-            (EMPTY_FEATURES, SEQLENS_EMPTY))
+            (DROPOUT_FEATURES, SEQLENS_FEW), (EMPTY_FEATURES, SEQLENS_EMPTY))
   i = 0
   for features, seqlens in groups:
     for name, overrides in features.items():
@@ -241,6 +258,7 @@ def make_inputs(case: Case, key):
   inputs["mask"] = (reference.random_mask(k_mask, case.broadcast_shape(case.mask))
                     if case.mask is not None else None)
   inputs["query_seq_lengths"], inputs["key_value_seq_lengths"] = case.seq_lengths()
+  inputs["dropout_rng"] = (jax.random.key(1234) if case.dropout_rate > 0.0 else None)
   cotangents = reference.random_inputs(k_ct, dict(out=q_shape, lse=q_shape[:-1]), dtype)
   cotangent = ((cotangents["out"], cotangents["lse"]) if case.return_residual
                else cotangents["out"])
@@ -266,6 +284,7 @@ LARGE_FEATURES = {
     "lengths": dict(batch=3, q_lengths=True, kv_lengths=True, num_heads=1, num_kv_heads=1),
     "bottom_right_causal_residual": dict(alignment="bottom_right", is_causal=True,
                                          return_residual=True),
+    "dropout_causal_gqa": dict(dropout_rate=0.1, is_causal=True, num_heads=4, num_kv_heads=2),
 }
 
 

@@ -221,11 +221,59 @@ def test_flax_attention_merges_batch_axes_and_casts_dtype(device):
   reference.assert_close(out.reshape((6,) + out.shape[2:]), ref, base, "bfloat16", "out")
 
 
+@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "per_head"])
+def test_flax_attention_passes_dropout_to_the_kernels(masking, broadcast, device):
+  """Dropout (rate > 0, not deterministic) is jaxflash.attention's, bit for bit, whichever
+  kernel the mask classification picks (the mask depends on positions only); deterministic=True
+  or rate 0 is no dropout."""
+  inputs = reference.random_inputs(jax.random.key(4), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
+                                   "bfloat16")
+  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  mask = MASKINGS[masking](nnx)
+  rng = jax.random.key(21)
+  ours = jax.jit(lambda q, k, v, rng: jaxflash.flax_attention(
+      q, k, v, mask=mask, dropout_rng=rng, dropout_rate=0.3, deterministic=False,
+      broadcast_dropout=broadcast))(q, k, v, rng)
+  dense = None if mask is None else mask.astype(jnp.bool_)
+  expected = jaxflash.attention(q, k, v, mask=dense, dropout_rate=0.3, dropout_rng=rng,
+                                broadcast_dropout=broadcast)
+  assert jnp.array_equal(ours, expected)
+  for rate, deterministic in ((0.3, True), (0.0, False)):
+    off = jaxflash.flax_attention(q, k, v, mask=mask, dropout_rng=rng, dropout_rate=rate,
+                                  deterministic=deterministic)
+    assert jnp.array_equal(off, jaxflash.attention(q, k, v, mask=dense))
+
+
+def test_nnx_module_trains_with_dropout(device):
+  """nnx.MultiHeadAttention with dropout_rate > 0 in training mode: the rngs' dropout stream
+  reaches the kernels (two calls draw two masks), gradients are finite, eval mode is the
+  deterministic module."""
+  with jax.default_device(device):
+    module = nnx.MultiHeadAttention(NUM_HEADS, FEATURES, qkv_features=QKV_FEATURES,
+                                    dropout_rate=0.5, decode=False,
+                                    attention_fn=jaxflash.flax_attention,
+                                    rngs=nnx.Rngs(0, dropout=1))
+    x = jax.random.normal(jax.random.key(2), (BATCH, LENGTH, FEATURES))
+    mask = _causal_mask(nnx, jnp.bool_)
+
+  @nnx.jit
+  def loss_and_grad(module, x):
+    return nnx.value_and_grad(lambda m: jnp.sum(m(x, mask=mask, deterministic=False) ** 2))(module)
+
+  (loss_a, grads), (loss_b, _) = loss_and_grad(module, x), loss_and_grad(module, x)
+  assert bool(jnp.isfinite(loss_a)) and loss_a != loss_b
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(nnx.state(grads)))
+  assert jnp.array_equal(module(x, mask=mask, deterministic=True),
+                         module(x, mask=mask, deterministic=True))
+
+
 def test_flax_attention_refuses_what_it_cannot_honour():
   x = jnp.ones((1, 4, 2, 8))
-  with pytest.raises(NotImplementedError, match="dropout_rate=0.1 with deterministic=False"):
+  with pytest.raises(ValueError, match="needs a dropout_rng"):
     jaxflash.flax_attention(x, x, x, dropout_rate=0.1, deterministic=False)
-  jaxflash.flax_attention(x, x, x, dropout_rate=0.1, deterministic=True)  # no dropout: fine
   with pytest.raises(ValueError, match="sow its attention weights"):
     jaxflash.flax_attention(x, x, x, module=object())
   with pytest.raises(ValueError, match="custom attention einsums"):

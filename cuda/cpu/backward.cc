@@ -5,6 +5,10 @@
 //   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse (an input)
 //   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
 //
+// With dropout (keep mask Z, regenerated from the seed, kept entries scaled by
+// c = 1 / (1 - rate)) the output used P∘Z·c, so dV = c·(P∘Z)ᵀ·dO and dP is
+// Z∘(dO·Vᵀ)·c; Δ = rowsum(dO ∘ O) is unchanged, O being the dropped output.
+//
 // Pass A runs K/V tiles outer and owns dK, dV; it loops, inside one task, over
 // the instance axes dK/dV do not vary along (the query heads of a GQA group, an
 // axis K/V are shared over). Pass B runs Q tiles outer and owns dQ and dbias; it
@@ -48,12 +52,12 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
   }
 }
 
-// From a Q tile and a K/V tile (kt, vt transposed): s ← P, dp ← dS.
+// From a Q tile and a K/V tile (kt, vt transposed): s ← P (P∘Z with dropout), dp ← dS.
 template <class BiasT>
 void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& bounds,
-                               const LogitsInputs<BiasT>& logits_in, const QTile& tile, int64_t t0,
-                               int64_t s0, int64_t cols, const float* kt, const float* vt,
-                               float* s, float* dp) {
+                               const LogitsInputs<BiasT>& logits_in, const DropoutKey& dropout,
+                               const QTile& tile, int64_t t0, int64_t s0, int64_t cols, const float* kt,
+                               const float* vt, float* s, float* dp) {
   const int64_t H = p.head_dim;
   matmul(tile.q.data(), tile.ld, kt, kBlockK, tile.rows, cols, H, s, kBlockK);
   finish_logits(p, bounds, logits_in, t0, tile.rows, s0, cols, s, kBlockK);
@@ -66,7 +70,16 @@ void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& b
       std::fill(si, si + cols, 0.f);
     else
       exp2_shifted(si, cols, tile.lse2[i]);
-    for (int64_t j = 0; j < cols; ++j) dpi[j] = si[j] * (dpi[j] - tile.delta[i]);
+    if (!p.has(kDropout)) {
+      for (int64_t j = 0; j < cols; ++j) dpi[j] = si[j] * (dpi[j] - tile.delta[i]);
+      continue;
+    }
+    const uint32_t row_key = dropout.row_key(t0 + i);
+    for (int64_t j = 0; j < cols; ++j) {
+      const bool keep = dropout.keep(row_key, s0 + j);
+      dpi[j] = si[j] * ((keep ? dpi[j] * p.keep_scale : 0.f) - tile.delta[i]);
+      if (!keep) si[j] = 0.f;
+    }
   }
 }
 
@@ -100,11 +113,12 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
     load_tile_transposed(element<T>(p.v, instance_offset(p, p.v, inst) + s0 * p.v.row_stride),
                          p.v.row_stride, p.v.col_stride, live_cols, H, vt.data(), kBlockK);
     const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+    const DropoutKey dropout = dropout_key(p, inst);
 
     for (int64_t t0 = queries.lo; t0 < queries.hi; t0 += kBlockQ) {
       load_q_tile<T>(p, inst, t0, std::min(kBlockQ, queries.hi - t0), tile);
-      probabilities_and_dscores(p, bounds, logits_in, tile, t0, s0, live_cols, kt.data(), vt.data(),
-                                s.data(), dp.data());
+      probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, live_cols, kt.data(),
+                                vt.data(), s.data(), dp.data());
       matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hp, tile.rows, H, live_cols, dv.data(), Hp);
       matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), Hp, tile.rows, H, live_cols, dk.data(), Hp);
     }
@@ -115,7 +129,7 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
   store_tile(dk.data(), Hp, cols, H, kLn2,
              mutable_element<T>(p.dk, instance_offset(p, p.dk, inst) + s0 * p.dk.row_stride),
              p.dk.row_stride, p.dk.col_stride);
-  store_tile(dv.data(), Hp, cols, H, 1.f,
+  store_tile(dv.data(), Hp, cols, H, p.has(kDropout) ? p.keep_scale : 1.f,
              mutable_element<T>(p.dv, instance_offset(p, p.dv, inst) + s0 * p.dv.row_stride),
              p.dv.row_stride, p.dv.col_stride);
 }
@@ -142,6 +156,7 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
     const int64_t inst = split.compose(kept, r);
     const InstanceBounds bounds = instance_bounds(p, inst);
     const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+    const DropoutKey dropout = dropout_key(p, inst);
     const T* k_base = element<T>(p.k, instance_offset(p, p.k, inst));
     const T* v_base = element<T>(p.v, instance_offset(p, p.v, inst));
 
@@ -159,8 +174,8 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
           load_tile(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H, 1.f, k.data(), Hp);
           load_tile_transposed(v_base + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H,
                                vt.data(), kBlockK);
-          probabilities_and_dscores(p, bounds, logits_in, tile, t0, s0, cols, kt.data(), vt.data(),
-                                    s.data(), ds.data());
+          probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, cols, kt.data(),
+                                    vt.data(), s.data(), ds.data());
           matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
           if (!want_dbias) continue;
           for (int64_t i = 0; i < live_rows; ++i) {

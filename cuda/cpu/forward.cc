@@ -38,6 +38,8 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
   const T* k = element<T>(p.k, instance_offset(p, p.k, inst));
   const T* v = element<T>(p.v, instance_offset(p, p.v, inst));
   const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+  const bool dropout = p.has(kDropout);
+  const DropoutKey dropout_in = dropout_key(p, inst);
 
   // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
   load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), Hp);
@@ -67,6 +69,8 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
       for (int64_t j = 0; j < cols; ++j) sum += s[j];
       row_sum[i] = row_sum[i] * correction + sum;
       row_max[i] = new_max;
+      // Dropout after the sum: the normaliser (and lse) are the undropped softmax's.
+      if (dropout) drop_row(dropout_in, t0 + i, s0, cols, s);
       float* a = acc.data() + i * Hp;
       for (int64_t d = 0; d < H; ++d) a[d] *= correction;
     }
@@ -75,7 +79,7 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 
   for (int64_t i = 0; i < rows; ++i) {
     const bool empty = i >= live_rows || row_sum[i] == 0.f;
-    const float inv = empty ? 0.f : 1.f / row_sum[i];
+    const float inv = empty ? 0.f : (dropout ? p.keep_scale : 1.f) / row_sum[i];
     store_tile(acc.data() + i * Hp, Hp, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
     lse[i * p.lse.row_stride] = empty ? kNegInf : (row_max[i] + std::log2(row_sum[i])) * kLn2;
   }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/cpu/numeric.h"
+#include "cuda/dropout.h"
 #include "cuda/params.h"
 
 namespace jaxflash::cpu {
@@ -259,6 +260,14 @@ void finish_logits(const AttentionParams& p, const InstanceBounds& b, const Logi
       if (!visible) s[i * ld + j] = kNegInf;
     }
   }
+}
+
+// Attention dropout on row t of P, keys [s0, s0 + cols): the entries it drops
+// become 0 (the kept ones are scaled by keep_scale later, once per output).
+inline void drop_row(const DropoutKey& dropout, int64_t t, int64_t s0, int64_t cols, float* p) {
+  const uint32_t row_key = dropout.row_key(t);
+  for (int64_t j = 0; j < cols; ++j)
+    if (!dropout.keep(row_key, s0 + j)) p[j] = 0.f;
 }
 
 // Instance-space bookkeeping for the passes that reduce over some instance axes

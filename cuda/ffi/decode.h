@@ -10,6 +10,8 @@
 //   scale          : float32
 //   window_left, window_right       kUnbounded (-1) or >= 0
 //   flags                           bits of jaxflash::Flags
+//   keep_threshold                  dropout: keep iff bits < it, in [0, 2^32 - 1]
+//   keep_scale                      float32, dropout: 1 / (1 - rate)
 #pragma once
 
 #include <cstdint>
@@ -24,17 +26,20 @@ namespace jaxflash {
 namespace ffi = xla::ffi;
 
 // Slot order of the "strides" attribute; jaxflash/primitives.py lists the same.
-enum Slot : int { kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSlots };
+enum Slot : int {
+  kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed, kSlots
+};
 
 inline const char* slot_name(int slot) {
   static const char* names[kSlots] = {"q",  "k",    "v",    "bias", "mask", "q_lens", "kv_lens", "o",
-                                      "lse", "d_o", "delta", "dq",   "dk",   "dv",     "dbias"};
+                                      "lse", "d_o", "delta", "dq",   "dk",   "dv",     "dbias", "seed"};
   return names[slot];
 }
 
 inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
                                 ffi::Span<const int64_t> dims, float scale, int64_t window_left,
-                                int64_t window_right, int64_t flags, AttentionParams& p) {
+                                int64_t window_right, int64_t flags, int64_t keep_threshold, float keep_scale,
+                                AttentionParams& p) {
   const int64_t D = static_cast<int64_t>(instance_sizes.size());
   if (D > kMaxInstanceDims)
     return ffi::Error::InvalidArgument("jaxflash: too many instance dimensions: " + std::to_string(D));
@@ -57,9 +62,15 @@ inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Sp
   p.window_left = window_left;
   p.window_right = window_right;
   p.flags = flags;
+  if (p.has(kDropout)) {
+    if (keep_threshold < 0 || keep_threshold > int64_t{0xFFFFFFFF} || !(keep_scale >= 1.f))
+      return ffi::Error::InvalidArgument("jaxflash: dropout needs 0 <= keep_threshold < 2^32 and keep_scale >= 1");
+    p.keep_threshold = static_cast<uint32_t>(keep_threshold);
+    p.keep_scale = keep_scale;
+  }
 
   ArrayView* views[kSlots] = {&p.q, &p.k,    &p.v,    &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.o,
-                              &p.lse, &p.d_o, &p.delta, &p.dq,  &p.dk,   &p.dv,     &p.dbias};
+                              &p.lse, &p.d_o, &p.delta, &p.dq,  &p.dk,   &p.dv,     &p.dbias, &p.seed};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -77,6 +88,7 @@ inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
     case kLse: case kDelta: rows = p.seqlen_q; cols = 1; return;
     case kQLens: case kKvLens: rows = 1; cols = 1; return;
+    case kSeed: rows = 1; cols = 2; return;
     case kK: case kV: case kDk: case kDv: rows = p.seqlen_k; cols = p.head_dim; return;
     default: rows = p.seqlen_q; cols = p.head_dim; return;
   }
@@ -130,10 +142,10 @@ ffi::Error attach_optional(const AttentionParams& p, int64_t flag, int slot, Arr
   return attach(p, slot, view, buffer, expected_type);
 }
 
-// Decodes the operands every direction shares: q, k, v, bias, mask, lengths.
+// Decodes the operands every direction shares: q, k, v, bias, mask, lengths, seed.
 inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                                 ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
-                                ffi::AnyBuffer& kv_lens) {
+                                ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed) {
   if (auto e = decode_dtype(q.element_type(), p.dtype, "q"); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   p.bias_dtype = p.dtype;
@@ -150,7 +162,7 @@ inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyB
   if (auto e = attach_optional(p, kHasQLens, kQLens, p.q_lens, q_lens, ffi::DataType::S32); e.failure()) return e;
   if (auto e = attach_optional(p, kHasKvLens, kKvLens, p.kv_lens, kv_lens, ffi::DataType::S32); e.failure())
     return e;
-  return ffi::Error::Success();
+  return attach_optional(p, kDropout, kSeed, p.seed, seed, ffi::DataType::U32);
 }
 
 // The backward's outputs must have one writer per element: dq may not be
@@ -169,13 +181,16 @@ inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
 // The whole decode of each direction, shared by the CPU and CUDA handlers.
 inline ffi::Error decode_forward(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                                  ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
-                                 ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& o, ffi::AnyBuffer& lse,
-                                 ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
-                                 ffi::Span<const int64_t> dims, float scale, int64_t window_left,
-                                 int64_t window_right, int64_t flags) {
-  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
+                                 ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& o,
+                                 ffi::AnyBuffer& lse, ffi::Span<const int64_t> instance_sizes,
+                                 ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
+                                 int64_t window_left, int64_t window_right, int64_t flags, int64_t keep_threshold,
+                                 float keep_scale) {
+  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, keep_threshold,
+                             keep_scale, p);
+      e.failure())
     return e;
-  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
+  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens, seed); e.failure()) return e;
   const ffi::DataType o_type = p.has(kOutputF32) ? ffi::DataType::F32 : ffi_type(p.dtype);
   if (auto e = attach(p, kO, p.o, o, o_type); e.failure()) return e;
   return attach(p, kLse, p.lse, lse, ffi::DataType::F32);
@@ -183,14 +198,17 @@ inline ffi::Error decode_forward(AttentionParams& p, ffi::AnyBuffer& q, ffi::Any
 
 inline ffi::Error decode_backward(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                                   ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
-                                  ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
-                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
-                                  ffi::AnyBuffer& dbias, ffi::Span<const int64_t> instance_sizes,
+                                  ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& lse,
+                                  ffi::AnyBuffer& delta, ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk,
+                                  ffi::AnyBuffer& dv, ffi::AnyBuffer& dbias, ffi::Span<const int64_t> instance_sizes,
                                   ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
-                                  int64_t window_left, int64_t window_right, int64_t flags) {
-  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, p); e.failure())
+                                  int64_t window_left, int64_t window_right, int64_t flags, int64_t keep_threshold,
+                                  float keep_scale) {
+  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, keep_threshold,
+                             keep_scale, p);
+      e.failure())
     return e;
-  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens); e.failure()) return e;
+  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens, seed); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
   if (auto e = attach(p, kDelta, p.delta, delta, ffi::DataType::F32); e.failure()) return e;
@@ -208,8 +226,9 @@ inline ffi::Error decode_backward(AttentionParams& p, ffi::AnyBuffer& q, ffi::An
 // results dq, dk, dv, dbias, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
-auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens
+auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed
   return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
@@ -226,7 +245,9 @@ auto bind_attributes(Binding&& binding) {
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
-      .template Attr<int64_t>("flags");
+      .template Attr<int64_t>("flags")
+      .template Attr<int64_t>("keep_threshold")
+      .template Attr<float>("keep_scale");
 }
 
 template <class Binding>

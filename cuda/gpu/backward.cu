@@ -185,7 +185,8 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   if ((rows && (!p.q.data || !p.lse.data || !p.delta.data || !p.d_o.data || !p.dq.data)) ||
       (keys && (!p.k.data || !p.v.data || !p.dk.data || !p.dv.data)) ||
       (rows && keys && ((has_bias && !p.bias.data) || (has_mask && !p.mask.data) || (want_dbias && !p.dbias.data))) ||
-      (p.has(kHasQLens) && !p.q_lens.data) || (p.has(kHasKvLens) && !p.kv_lens.data))
+      (p.has(kHasQLens) && !p.q_lens.data) || (p.has(kHasKvLens) && !p.kv_lens.data) ||
+      (p.has(kDropout) && !p.seed.data))
     return cudaErrorInvalidValue;
   // One writer per output element: dq is per instance; dk and dv are shared
   // along the same axes (the ones a CTA loops over).
@@ -197,6 +198,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
 
   BwdRuntime rt{};
   rt.scale = p.scale;
+  rt.dv_scale = p.has(kDropout) ? p.keep_scale : 1.f;
   rt.score_mul = p.scale * kLog2e;
   rt.bias_f32 = p.bias_dtype == DType::kF32;
   rt.q_vec = rows_aligned(p, p.q, elem_bytes);
@@ -226,7 +228,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
 #else
   rt.dq_bulk = major >= 9;
 #endif
-  rt.general = has_bias || has_mask || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  rt.general = has_bias || has_mask || p.has(kDropout) || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
   // The fast variant's larger tiles can exceed a device's shared memory
   // (sm_86 / sm_89 have 99 KB per block); the general variant computes the
   // same with smaller ones. 1 KB of slack covers the kernel's static shared

@@ -99,12 +99,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const InstanceIndex inst(p, linear);
     const T* q = inst.origin<const T>(p, p.q);
     const T* d_o = inst.origin<const T>(p, p.d_o);
-    ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.delta + linear * rt.t_pad};
+    ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.delta + linear * rt.t_pad, nullptr};
     if constexpr (Cfg::kGeneral) {
       if (p.has(kHasBias))
         in.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))
                               : static_cast<const void*>(inst.origin<const T>(p, p.bias));
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
+      if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
     }
 
     // K/V rows past kv_len are zero-filled, never read.
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   cp_async_wait<0>();
   __syncthreads();
   store_frags<T>(sK, dk, kv_row0, kv_col0, rt.scale, lane);
-  store_frags<T>(sV, dv, kv_row0, kv_col0, 1.f, lane);
+  store_frags<T>(sV, dv, kv_row0, kv_col0, rt.dv_scale, lane);
   __syncthreads();
   const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
   const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));

@@ -104,6 +104,7 @@ struct BwdWorkspaceLayout {
 struct BwdRuntime {
   float score_mul;  // scale * log2 e
   float scale;
+  float dv_scale;   // 1, or dropout's 1 / (1 - rate): dV = c (P o Z)^T dO
   bool bias_f32;    // bias / dbias are float32 rather than T
   // 16-byte-aligned rows (base, row and instance strides): cp.async / vector stores.
   bool q_vec, k_vec, v_vec, do_vec, dk_vec, dv_vec;
@@ -117,7 +118,7 @@ struct BwdRuntime {
   int64_t q_tiles, t_pad, d_pad;
   BwdDqGrid dq;   // the accumulator's layout (the post-pass reads it)
   bool dq_bulk;   // sm_90+: dQ staged in shared memory and bulk-reduced
-  bool general;   // the main kernel variant: bias, mask or unaligned q / k / v / dO rows
+  bool general;   // the main kernel variant: bias, mask, dropout or unaligned q / k / v / dO rows
   bool sm90;      // the main kernel is the sm_90 (wgmma) one, bwd_sm90_kernel.h
 
   // The main kernel: one CTA per (kept instance, key tile of the variant's

@@ -2,6 +2,10 @@
 //   S  = Q K^T (raw),  s2 = S * scale * log2 e + bias * log2 e - lse * log2 e
 //   P  = exp2(s2)  (0 where masked, and for rows with no gradient: lse2 = +inf)
 //   dP = dO V^T,       dS = P o (dP - delta)
+// With dropout (keep mask Z, kept entries scaled by c = 1 / (1 - rate)) the
+// forward's output used c P o Z: P becomes P o Z (dV's operand; c is applied
+// once, to dV) and dP becomes c Z o dO V^T. delta = rowsum(dO o O) holds as it
+// is, O being the dropped output.
 // Shared by the main kernel and the dbias kernel. Visibility is params.h's
 // rule (primitives/bwd_score.h), as in the forward.
 #pragma once
@@ -11,8 +15,9 @@
 #include <type_traits>
 
 #include "bwd_kernel_traits.h"
-#include "primitives/warp_gemm.h"
 #include "primitives/bwd_score.h"
+#include "primitives/dropout.h"
+#include "primitives/warp_gemm.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
@@ -23,6 +28,7 @@ struct ScoreInputs {
   const uint8_t* mask;  // null when absent
   const float* lse2;    // workspace rows of this instance
   const float* delta;
+  const uint32_t* seed;  // the dropout's seed words; null without dropout
 };
 
 // Whether every row of [m0, m0 + BM) below q_len sees every key of [n0, n0 + BN)
@@ -110,6 +116,19 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D>(ds, sdO, row0, sV, col0, lane);
   // P = 0 (masked, or a row without gradient) gives dS = 0 exactly, whatever dP
   // is: an inf in V cannot leak into invisible positions as 0 * inf = NaN.
+  if constexpr (Cfg::kGeneral) {
+    if (in.seed != nullptr) {
+      const DropoutKey dropout = make_dropout_key(in.seed, p.seed.col_stride, p.keep_threshold);
+      const FragRowKeys<MF> rows(dropout, m0 + row0, lane);
+      for_each_dropout_decision<NF>(dropout, rows, n0 + col0, lane, [&](int mf, int nf, int i, bool keep) {
+        const float pv = pr[mf][nf][i];
+        const float dp = keep ? ds[mf][nf][i] * p.keep_scale : 0.f;
+        ds[mf][nf][i] = pv != 0.f ? pv * (dp - delta[mf][i >> 1]) : 0.f;
+        if (!keep) pr[mf][nf][i] = 0.f;
+      });
+      return;
+    }
+  }
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll

@@ -49,6 +49,7 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   // buffers arrive as null, and then nothing reads them).
   const bool any_key = p.seqlen_k > 0;
   if ((has_bias && any_key && p.bias.data == nullptr) || (has_mask && any_key && p.mask.data == nullptr) ||
+      (p.has(kDropout) && p.seed.data == nullptr) ||
       (p.has(kHasQLens) && p.q_lens.data == nullptr) || (p.has(kHasKvLens) && p.kv_lens.data == nullptr))
     return cudaErrorInvalidValue;
 
@@ -59,6 +60,7 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   // with the scaling only for scale > 0.
   rt.fold_scale = has_bias || !(p.scale > 0.f);
   rt.exp_scale = rt.fold_scale ? 1.f : rt.score_mul;
+  rt.out_scale = p.has(kDropout) ? p.keep_scale : 1.f;
   rt.bias_f32 = p.bias_dtype == DType::kF32;
   rt.q_vec = rows_aligned(p, p.q, elem_bytes);
   rt.k_vec = rows_aligned(p, p.k, elem_bytes);

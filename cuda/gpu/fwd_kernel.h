@@ -49,11 +49,12 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     ops.q = inst.origin<const T>(p, p.q);
     ops.k = inst.origin<const T>(p, p.k);
     ops.v = inst.origin<const T>(p, p.v);
-    ops.bias = nullptr, ops.mask = nullptr;
+    ops.bias = nullptr, ops.mask = nullptr, ops.seed = nullptr;
     if (Cfg::kGeneral && p.has(kHasBias))
       ops.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))
                              : static_cast<const void*>(inst.origin<const T>(p, p.bias));
     if (Cfg::kGeneral && p.has(kHasMask)) ops.mask = inst.origin<const uint8_t>(p, p.mask);
+    if (Cfg::kGeneral && p.has(kDropout)) ops.seed = inst.origin<const uint32_t>(p, p.seed);
     ops.o = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
     ops.lse = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
   }

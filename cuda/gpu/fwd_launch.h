@@ -38,8 +38,8 @@ cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt
 // (forward.cu picks k3xTf32 for kExactF32; the 16-bit types take the default).
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
-  const bool fast = !p.has(kHasBias) && !p.has(kHasMask) && !rt.fold_scale && p.head_dim == D && rt.q_vec &&
-                    rt.k_vec && rt.v_vec;
+  const bool fast = !p.has(kHasBias) && !p.has(kHasMask) && !p.has(kDropout) && !rt.fold_scale &&
+                    p.head_dim == D && rt.q_vec && rt.k_vec && rt.v_vec;
   return fast ? launch_forward_config<T, D, false, M>(p, rt, stream)
               : launch_forward_config<T, D, true, M>(p, rt, stream);
 }

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "kernel_traits.h"
+#include "primitives/dropout.h"
 #include "primitives/mma.h"
 #include "primitives/positions.h"
 #include "primitives/score.h"
@@ -94,6 +95,11 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
   // K/V rows past kv_len are zero-filled, not read: padding may hold anything
   // (NaN included), and 0 * NaN would leak into O through P = 0.
   auto kv_rows = [&](int n0) { return min(pos.kv_len - n0, BN); };
+  // Dropout (general variant): this lane's row keys, hashed once for all key tiles.
+  const DropoutKey dropout = Cfg::kGeneral && ops.seed != nullptr
+                                 ? make_dropout_key(ops.seed, p.seed.col_stride, p.keep_threshold)
+                                 : DropoutKey{};
+  const FragRowKeys<Cfg::kMF> dropout_rows(dropout, m0 + warp_row, lane);
 
   const int first = key_lo / BN * BN, last = (key_hi - 1) / BN * BN;
   load_tile<kThreads>(sQ, ops.q + m0 * p.q.row_stride, p.q.row_stride, min(pos.q_len - m0, BM), cols, q_vec, tid);
@@ -125,6 +131,9 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
       cp_async_commit();
     }
     online_softmax(s, o, st, rt.exp_scale);
+    // After the softmax's sums: dropout changes what reaches O, not the normaliser.
+    if constexpr (Cfg::kGeneral)
+      if (ops.seed != nullptr) drop_probabilities(s, dropout, dropout_rows, n0, lane);
     using Pv = PvOps<T, Cfg::kF32Mma>;
     typename Pv::AFrag a[Cfg::kMF][Cfg::kBlockN / Pv::kK];
     p_fragments<T, Cfg::kF32Mma>(a, s);

@@ -16,8 +16,8 @@ namespace jaxflash::gpu {
 // rare features need:
 //   fast    : no bias, no mask, scale > 0, head_dim == D, rows of q, k and v
 //             16-byte aligned
-//   general : everything else: bias and / or mask, any scale, padded head
-//             dims, any row alignment (element-wise fallback copy)
+//   general : everything else: bias and / or mask, dropout, any scale, padded
+//             head dims, any row alignment (element-wise fallback copy)
 // kF32Mma: how float32 operands go through the tensor cores (ptx.h; tf32 by
 // default, 3xTF32 under kExactF32); the same tiles either way.
 template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
@@ -50,6 +50,7 @@ struct FwdOperands {
   const T *q, *k, *v;
   const void* bias;     // T or float (FwdRuntime::bias_f32); null when absent or unread
   const uint8_t* mask;  // null when absent or unread
+  const uint32_t* seed; // the dropout's seed words; null without dropout (general variant only)
   void* o;     // T, or float with kOutputF32
   float* lse;  // null when absent
 };
@@ -64,6 +65,7 @@ struct FwdRuntime {
   float exp_scale;
   float score_mul;
   bool fold_scale;
+  float out_scale;  // O's factor after normalisation: 1, or 1 / (1 - rate) with dropout
   bool bias_f32;  // bias is float32 rather than the input dtype
   // 16-byte-aligned rows (base, row and instance strides; for o in its output
   // type): cp.async and vector stores; otherwise the element-wise fallback.

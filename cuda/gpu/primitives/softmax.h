@@ -74,12 +74,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
   }
 }
 
-// After the last tile: O /= sum, and lse (natural log) per row. Rows that saw
-// no visible key (sum == 0) or are not `live` (query padding) get O = 0 and
-// lse = -inf.
+// After the last tile: O *= out_scale / sum, and lse (natural log) per row.
+// Rows that saw no visible key (sum == 0) or are not `live` (query padding)
+// get O = 0 and lse = -inf. out_scale is 1, or dropout's 1 / (1 - rate).
 template <int MF, int DF>
 __device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const SoftmaxState<MF>& st,
-                                                 float exp_scale, const bool (&live)[MF][2], float (&lse)[MF][2]) {
+                                                 float exp_scale, float out_scale, const bool (&live)[MF][2],
+                                                 float (&lse)[MF][2]) {
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
@@ -87,7 +88,7 @@ __device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const So
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(st.sum[mf][h]);
       const bool any = live[mf][h] && sum > 0.f;
-      const float inv = any ? 1.f / sum : 0.f;
+      const float inv = any ? out_scale / sum : 0.f;
       lse[mf][h] = any ? exp_offset(st.max[mf][h], exp_scale) * kLn2 + logf(sum) : -INFINITY;
 #pragma unroll
       for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= inv, o[mf][df][2 * h + 1] *= inv;

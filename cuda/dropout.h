@@ -1,0 +1,65 @@
+// Attention dropout's keep decision, shared by the CPU and CUDA kernels and
+// restated in jaxflash/dropout.py (which the tests check against the kernels).
+//
+// A counter-based hash rather than a stateful generator, so that any kernel can
+// decide any (query t, key s) entry on its own and the backward regenerates the
+// forward's mask without storing it: the forward walks rows of P, the sm_90
+// backward walks its transpose, and both must agree bit for bit.
+//
+//   row_key(t)  = mix(mix(t + seed0) ^ seed1)         once per query row
+//   bits(t, s)  = mix(row_key(t) ^ s * 0x9E3779B9)    once per entry
+//   keep(t, s)  = bits(t, s) < keep_threshold
+//
+// mix is a 32-bit finalizer (xorshift-multiply, two rounds; its constants come
+// from Wellons' hash search and avalanche well). Both steps are bijections of
+// their counter for a fixed key, so entries of one row never share a value.
+// (seed0, seed1) are two words of jax.random.bits of the user's key, per
+// instance (or one pair for all, broadcast_dropout).
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace jaxflash {
+
+JF_HOST_DEVICE uint32_t dropout_mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+JF_HOST_DEVICE uint32_t dropout_row_key(uint32_t seed0, uint32_t seed1, int64_t t) {
+  return dropout_mix(dropout_mix(static_cast<uint32_t>(t) + seed0) ^ seed1);
+}
+
+JF_HOST_DEVICE uint32_t dropout_bits(uint32_t row_key, int64_t s) {
+  return dropout_mix(row_key ^ (static_cast<uint32_t>(s) * 0x9E3779B9u));
+}
+
+// One instance's dropout: its seed words and the rate's threshold.
+// (All zero, threshold 0, when dropout is off: never consulted then.)
+struct DropoutKey {
+  uint32_t seed0 = 0, seed1 = 0, threshold = 0;
+
+  JF_HOST_DEVICE uint32_t row_key(int64_t t) const { return dropout_row_key(seed0, seed1, t); }
+  JF_HOST_DEVICE bool keep(uint32_t row_key, int64_t s) const { return dropout_bits(row_key, s) < threshold; }
+};
+
+// words: the instance's 2 seed words, word_stride apart (the seed view's col stride).
+JF_HOST_DEVICE DropoutKey make_dropout_key(const uint32_t* words, int64_t word_stride, uint32_t keep_threshold) {
+  return {words[0], words[word_stride], keep_threshold};
+}
+
+// The dropout of instance `linear`, or the unused all-zero key without kDropout
+// (host code and the CPU kernels; the CUDA kernels use their InstanceIndex).
+inline DropoutKey dropout_key(const AttentionParams& p, int64_t linear) {
+  if (!p.has(kDropout)) return {};
+  return make_dropout_key(static_cast<const uint32_t*>(p.seed.data) + instance_offset(p, p.seed, linear),
+                          p.seed.col_stride, p.keep_threshold);
+}
+
+}  // namespace jaxflash

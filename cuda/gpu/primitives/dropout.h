@@ -1,0 +1,53 @@
+// Attention dropout on C fragments (warp_gemm.h's layout): the keep decision of
+// cuda/dropout.h for each score a lane holds. A lane's rows are few (2 per m16
+// fragment), so their keys are hashed once per block of rows; each entry then
+// costs one more hash.
+#pragma once
+
+#include <cstdint>
+
+#include "warp_gemm.h"
+#include "../../dropout.h"
+
+namespace jaxflash::gpu {
+
+// The row keys of the lane's rows of a warp block whose first query is row0.
+template <int MF>
+struct FragRowKeys {
+  uint32_t key[MF][2];
+
+  __device__ __forceinline__ FragRowKeys(const DropoutKey& dropout, int64_t row0, int lane) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) key[mf][h] = dropout.row_key(row0 + frag_row(mf, 2 * h, lane));
+  }
+};
+
+// f(mf, nf, i, keep) for every score of the lane's block (NF n8 fragments wide)
+// whose first key is col0.
+template <int NF, int MF, class F>
+__device__ __forceinline__ void for_each_dropout_decision(const DropoutKey& dropout, const FragRowKeys<MF>& rows,
+                                                          int64_t col0, int lane, F&& f) {
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int64_t col = col0 + frag_col(nf, c, lane);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) f(mf, nf, 2 * h + c, dropout.keep(rows.key[mf][h], col));
+    }
+}
+
+// P of the forward: the dropped entries become 0 (kept ones are scaled once, at the end).
+template <int MF, int NF>
+__device__ __forceinline__ void drop_probabilities(float (&p)[MF][NF][4], const DropoutKey& dropout,
+                                                   const FragRowKeys<MF>& rows, int64_t col0, int lane) {
+  for_each_dropout_decision<NF>(dropout, rows, col0, lane, [&](int mf, int nf, int i, bool keep) {
+    if (!keep) p[mf][nf][i] = 0.f;
+  });
+}
+
+}  // namespace jaxflash::gpu

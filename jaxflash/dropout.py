@@ -1,0 +1,94 @@
+"""Attention dropout: which entries of P the kernels drop, from the user's rng key.
+
+The kernels decide each (query t, key s) entry with a counter-based hash of the
+instance's two seed words (cuda/dropout.h), so the backward regenerates the
+forward's mask from the seeds and nothing T×S is stored. This module derives
+the seeds from the key, turns the rate into the kernels' integer threshold, and
+restates the hash in jnp (``dropout_mask``): the same mask, bit for bit, for
+debugging or for a reference implementation (the tests compare the two).
+
+  row_key(t) = mix(mix(t + seed0) ^ seed1)
+  keep(t, s) = mix(row_key(t) ^ s * 0x9E3779B9) < keep_threshold
+
+Seeds: ``jax.random.bits(dropout_rng, (B, N, 2), uint32)``, one pair per batch
+item and query head, or a single pair shared by all of them with
+``broadcast_dropout`` (Flax's default).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_GOLDEN = np.uint32(0x9E3779B9)
+_MIX_MULTIPLIERS = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
+
+
+def keep_threshold_and_scale(rate: float) -> tuple[int, float]:
+  """The kernels' integer threshold (keep iff 32 hash bits < it) and the kept entries' scale
+  1 / (1 - rate), for 0 < rate < 1."""
+  keep = 1.0 - rate
+  threshold = min(int(round(keep * 2.0**32)), 2**32 - 1)
+  return threshold, float(np.float32(1.0 / keep))
+
+
+def seed_shape(logits_shape: Sequence[int], broadcast_dropout: bool) -> tuple[int, ...]:
+  """Shape of the seed words for logits (B, N, T, S) / (N, T, S) / (T, S): one pair per
+  batch item and head, or one pair for all of them."""
+  if broadcast_dropout:
+    return (2,)
+  return tuple(logits_shape[:-2]) + (2,)
+
+
+def seeds(dropout_rng, logits_shape: Sequence[int], broadcast_dropout: bool) -> jax.Array:
+  """The uint32 seed words the kernels read, from a jax.random key (typed, or legacy raw
+  uint32 key data)."""
+  return jax.random.bits(dropout_rng, seed_shape(logits_shape, broadcast_dropout), jnp.uint32)
+
+
+def _mix(x):
+  x = x ^ (x >> 16)
+  x = x * _MIX_MULTIPLIERS[0]
+  x = x ^ (x >> 15)
+  x = x * _MIX_MULTIPLIERS[1]
+  return x ^ (x >> 16)
+
+
+def keep_from_seeds(seed_words, seqlen_q: int, seqlen_k: int, threshold: int) -> jax.Array:
+  """Bool (..., T, S) keep mask from seed words (..., 2): cuda/dropout.h in jnp."""
+  seed0, seed1 = seed_words[..., 0, None], seed_words[..., 1, None]
+  t = jnp.arange(seqlen_q, dtype=jnp.uint32)
+  s = jnp.arange(seqlen_k, dtype=jnp.uint32)
+  row_key = _mix(_mix(t + seed0) ^ seed1)                      # (..., T)
+  bits = _mix(row_key[..., :, None] ^ (s * _GOLDEN))           # (..., T, S)
+  return bits < jnp.uint32(threshold)
+
+
+def dropout_mask(dropout_rng, query_shape: Sequence[int], key_shape: Sequence[int],
+                 dropout_rate: float, *, broadcast_dropout: bool = False) -> jax.Array:
+  """The boolean keep mask (True = kept) that ``jaxflash.attention`` applies for these
+  dropout arguments, shaped like the logits: (B, N, T, S) for 4-D query (B, T, N, H) and
+  key (B, S, K, H), (N, T, S) for 3-D inputs, (T, S) for a single head (2-D).
+
+  Kept probabilities are scaled by 1 / (1 - dropout_rate). Meant for debugging and
+  reference implementations: it materialises T×S booleans per head, which the kernels
+  never do.
+  """
+  rank = len(query_shape)
+  if rank not in (2, 3, 4) or len(key_shape) != rank:
+    raise ValueError(f"jaxflash.dropout_mask: query_shape and key_shape must both have rank 2, 3 "
+                     f"or 4, got {tuple(query_shape)} and {tuple(key_shape)}")
+  rate = float(dropout_rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"jaxflash.dropout_mask: dropout_rate must be in [0, 1), got {dropout_rate!r}")
+  T, S = query_shape[-3 if rank > 2 else -2], key_shape[-3 if rank > 2 else -2]
+  logits_shape = ((query_shape[0], query_shape[2]) if rank == 4 else
+                  (query_shape[1],) if rank == 3 else ()) + (T, S)
+  if rate == 0.0:
+    return jnp.ones(logits_shape, jnp.bool_)
+  threshold, _ = keep_threshold_and_scale(rate)
+  words = seeds(dropout_rng, logits_shape, broadcast_dropout)
+  return jnp.broadcast_to(keep_from_seeds(words, T, S, threshold), logits_shape)
