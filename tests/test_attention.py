@@ -265,7 +265,20 @@ def make_inputs(case: Case, key):
   return inputs, cotangent
 
 
-ALL_CASES = _feature_cases() + _dtype_head_dim_cases()
+def _dropout_kernel_cases():
+  """Dropout in each backward kernel family: every dtype at head dims 64 and 128, where the
+  16-bit backward runs the sm_90 kernel on Hopper (the mma.sync one elsewhere), with GQA and
+  causal masking alternating."""
+  params = []
+  for i, dtype in enumerate(DTYPES):
+    for j, head_dim in enumerate((64, 128)):
+      case = Case(dtype=dtype, head_dim=head_dim, q_len=300, kv_len=300, num_heads=4,
+                  num_kv_heads=2, is_causal=(i + j) % 2 == 0, dropout_rate=0.2)
+      params.append(pytest.param(case, id="kernel-" + _case_id("dropout", case)))
+  return params
+
+
+ALL_CASES = _feature_cases() + _dtype_head_dim_cases() + _dropout_kernel_cases()
 
 # The GPU's larger grid: long and odd sequence lengths (up to 8k, where a tile-indexing or
 # 32-bit offset bug shows), every head dim the kernels specialise (and odd ones padded up),

@@ -228,7 +228,10 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
 #else
   rt.dq_bulk = major >= 9;
 #endif
-  rt.general = has_bias || has_mask || p.has(kDropout) || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  // The mma.sync kernels read bias, mask and dropout in their general variant only; the sm_90
+  // kernel reads no bias or mask, but does dropout.
+  const bool sm90_excluded = has_bias || has_mask || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  rt.general = sm90_excluded || p.has(kDropout);
   // The fast variant's larger tiles can exceed a device's shared memory
   // (sm_86 / sm_89 have 99 KB per block); the general variant computes the
   // same with smaller ones. 1 KB of slack covers the kernel's static shared
@@ -241,8 +244,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
     rt.general = true;
   // The sm_90 kernels where they cover the case (bwd_tile_size.h) and the
   // device runs this build's sm_90a code.
-  rt.sm90 = !rt.general && bwd_sm90_covers(elem_bytes, d_pad) && bwd_sm90_smem_bytes(d_pad) + 1024 <= smem_limit;
+  rt.sm90 = !sm90_excluded && bwd_sm90_covers(elem_bytes, d_pad) && bwd_sm90_smem_bytes(d_pad) + 1024 <= smem_limit;
   if (rt.sm90 && (err = runs_sm90a_code(device, major, minor, &rt.sm90)) != cudaSuccess) return err;
+  if (rt.sm90) rt.general = false;  // its tiles are the fast variant's (bwd_tile_size.h)
   rt.dq = rt.sm90 ? bwd_sm90_dq_grid(d_pad) : bwd_dq_grid(elem_bytes, d_pad);
   const BwdTiles tiles = bwd_tiles(elem_bytes, d_pad, rt.general);
   rt.k_tiles = (p.seqlen_k + tiles.block_n - 1) / tiles.block_n;

@@ -37,9 +37,9 @@ cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt,
   return cudaGetLastError();
 }
 
-template <class T, int D>
+template <class T, int D, bool kDropout>
 cudaError_t launch_backward_sm90(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdSm90Config<T, D>;
+  using Cfg = BwdSm90Config<T, D, kDropout>;
   auto* kernel = &backward_sm90_kernel<Cfg>;
   if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = rt.kv_kept * rt.k_tiles;
@@ -68,7 +68,9 @@ cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   if constexpr (bwd_sm90_covers(sizeof(T), D)) {
-    if (rt.sm90) return launch_backward_sm90<T, D>(p, rt, stream);  // no bias, so no dbias
+    if (rt.sm90)  // no bias, so no dbias
+      return p.has(kDropout) ? launch_backward_sm90<T, D, true>(p, rt, stream)
+                             : launch_backward_sm90<T, D, false>(p, rt, stream);
   }
   cudaError_t err = rt.general ? launch_backward_main<T, D, true, M>(p, rt, stream)
                                : launch_backward_main<T, D, false, M>(p, rt, stream);

@@ -14,6 +14,7 @@
 //
 //   S^T  = K_g Q^T,   dP^T = V_g dO^T          SS, K-major  (64 x BLOCK_M)
 //   P^T  = exp2(S^T scale log2e - lse2),  dS^T = P^T o (dP^T - delta)
+//          (with dropout, bwd_scores.h's algebra: P^T o Z^T, c Z^T o dP^T)
 //   dV_g += P^T dO,   dK_g += dS^T Q           RS, B MN-major (64 x D)
 //   dS^T -> shared memory; barrier
 //   dQ  (its 16 x 64 blocks) = dS K            SS, both MN-major
@@ -36,11 +37,14 @@
 
 namespace jaxflash::gpu {
 
-template <class T_, int D>
+// kDropout: a copy of the kernel with dropout, so that the copy without keeps
+// its registers (the dropout's state adds ~50-100 bytes of spills).
+template <class T_, int D, bool kDropout_>
 struct BwdSm90Config {
   using T = T_;
   static_assert(bwd_sm90_covers(sizeof(T), D), "see bwd_tile_size.h");
   static constexpr int kHeadDim = D;
+  static constexpr bool kDropout = kDropout_;
   static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
   static constexpr int kThreads = 256;  // two warpgroups
   static constexpr int kGroupKeys = kBlockN / 2;
@@ -55,10 +59,12 @@ struct BwdSm90Config {
   using DsTile = GmmaTile<T, kBlockN, kBlockM>;  // dS^T, [key][query]
   // Offsets from the 1024-byte aligned base: Q / dO of stage s at 2 s (2 s + 1)
   // QTile::kBytes, then K, V, dS^T, lse2 / delta of stage s at kStatsOff +
-  // (2 s, 2 s + 1) BLOCK_M floats, the dQ stage.
+  // (2 s, 2 s + 1) BLOCK_M floats, the dropout's row keys of stage s at
+  // kRowKeysOff + s BLOCK_M words, the dQ stage.
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
   static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
-  static constexpr int kDqStageOff = kStatsOff + 4 * kBlockM * 4;
+  static constexpr int kRowKeysOff = kStatsOff + 4 * kBlockM * 4;
+  static constexpr int kDqStageOff = kRowKeysOff + 2 * kBlockM * 4;
   static constexpr int kSmemBytes = kDqStageOff + kBlockM * D * 4 + 1024;
   static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
 };
@@ -96,6 +102,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const KTile sK{smem + Cfg::kKOff}, sV{smem + Cfg::kVOff};
   const DsTile sdS{smem + Cfg::kDsOff};
   float* const stats = reinterpret_cast<float*>(smem + Cfg::kStatsOff);
+  uint32_t* const row_keys = reinterpret_cast<uint32_t*>(smem + Cfg::kRowKeysOff);
   float* const dq_stage = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
   __shared__ int s_ticket;
 
@@ -136,6 +143,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const T* d_o = inst.origin<const T>(p, p.d_o);
     const float* lse2_rows = rt.lse2 + linear * rt.t_pad;
     const float* delta_rows = rt.delta + linear * rt.t_pad;
+    const uint32_t* seed = Cfg::kDropout ? inst.origin<const uint32_t>(p, p.seed) : nullptr;
 
     const T* k = inst.origin<const T>(p, p.k) + n0 * p.k.row_stride;
     const T* v = inst.origin<const T>(p, p.v) + n0 * p.v.row_stride;
@@ -151,7 +159,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // Q, dO and their rows' lse2 / delta (the workspace pads them to whole
-    // tiles: lse2 = +inf past q_len, so those rows' P is 0).
+    // tiles: lse2 = +inf past q_len, so those rows' P is 0), and with dropout
+    // the rows' keys: hashed once per tile here, rather than by each lane for
+    // the 16 queries of each of its sub-tiles.
     auto load_q_tile = [&](int64_t m0, int s) {
       const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));
       load_tile<kThreads>(QTile{smem + 2 * s * QTile::kBytes}, q + m0 * p.q.row_stride, p.q.row_stride, valid,
@@ -162,6 +172,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int which = tid / (BM / 4), c = tid % (BM / 4);
         cp_async_16(smem_addr(stats + (2 * s + which) * BM + 4 * c), (which ? delta_rows : lse2_rows) + m0 + 4 * c);
       }
+      if (Cfg::kDropout && tid < BM)
+        row_keys[s * BM + tid] = make_dropout_key(seed, p.seed.col_stride, p.keep_threshold).row_key(m0 + tid);
       cp_async_commit();
     };
 
@@ -180,6 +192,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const QTile sQ{smem + 2 * stage * QTile::kBytes}, sdO{smem + (2 * stage + 1) * QTile::kBytes};
       const float* lse2 = stats + 2 * stage * BM;
       const float* delta = lse2 + BM;
+      const uint32_t* tile_row_keys = row_keys + stage * BM;
 
       const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
       // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
@@ -219,13 +232,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // exactly: an inf in V cannot leak in as 0 * inf = NaN.
         wgmma_wait<0>();
         hold_acc(dp);
+        // With dropout, element e of fragment nf is key row 8 (e / 2), query column e % 2.
+        const int64_t key = n0 + warp_key0 + frag_row(0, 0, lane);
 #pragma unroll
         for (int nf = 0; nf < kSubM / 8; ++nf) {
-          const float2 dl = *reinterpret_cast<const float2*>(delta + q0 + frag_col(nf, 0, lane));
+          const int col = q0 + frag_col(nf, 0, lane);
+          const float2 dl = *reinterpret_cast<const float2*>(delta + col);
+          const uint2 rk = Cfg::kDropout ? *reinterpret_cast<const uint2*>(tile_row_keys + col) : uint2{};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float pv = s[0][nf][e];
-            dp[0][nf][e] = pv != 0.f ? pv * (dp[0][nf][e] - (e & 1 ? dl.y : dl.x)) : 0.f;
+            float dpv = dp[0][nf][e];
+            if constexpr (Cfg::kDropout) {
+              const bool keep = dropout_bits(e & 1 ? rk.y : rk.x, key + 8 * (e >> 1)) < p.keep_threshold;
+              dpv = keep ? dpv * p.keep_scale : 0.f;
+              if (!keep) s[0][nf][e] = 0.f;
+            }
+            dp[0][nf][e] = pv != 0.f ? pv * (dpv - (e & 1 ? dl.y : dl.x)) : 0.f;
           }
         }
 
@@ -281,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   cp_async_wait<0>();
   __syncthreads();
   store_frags<T>(sK, dk, warp_key0, 0, rt.scale, lane);
-  store_frags<T>(sV, dv, warp_key0, 0, 1.f, lane);
+  store_frags<T>(sV, dv, warp_key0, 0, rt.dv_scale, lane);
   __syncthreads();
   const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
   const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));

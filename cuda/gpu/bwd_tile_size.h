@@ -157,14 +157,15 @@ constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
   return {bwd_sm90_block_m(d), 1, d, d / 64, 16, 64, 1, 8, 8};
 }
 
-// Dynamic shared memory: the tiles, the per-stage row statistics (lse2 and
-// delta of the Q tile), the dQ stage, and 1 KB to align the tiles to 1024.
+// Dynamic shared memory: the tiles, the per-stage row statistics (lse2, delta
+// and the dropout's row keys of the Q tile), the dQ stage, and 1 KB to align
+// the tiles to 1024.
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
 constexpr int bwd_sm90_smem_bytes(int d) {
   const int bm = bwd_sm90_block_m(d), bn = kBwdSm90BlockN;
-  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 2 * bm * 4 + bm * d * 4 + 1024;
+  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + bm * d * 4 + 1024;
 }
 
 static_assert(bwd_sm90_block_m(64) == bwd_tiles(2, 64, false).block_m &&
