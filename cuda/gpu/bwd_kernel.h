@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "bwd_dq.h"
+#include "bwd_key_tile.h"
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
 #include "instance.h"
@@ -84,10 +85,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   zero_frags(dk);
   zero_frags(dv);
 
-  // The K/V rows now in shared memory (a GQA group shares them).
-  const T* k_resident = nullptr;
-  const T* v_resident = nullptr;
-  int kv_rows_resident = -1;
+  ResidentKv<T> resident;  // a GQA group shares the K/V rows
   int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
 
 #pragma unroll 1
@@ -108,19 +106,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
     }
 
-    // K/V rows past kv_len are zero-filled, never read.
-    const T* k = inst.origin<const T>(p, p.k) + n0 * p.k.row_stride;
-    const T* v = inst.origin<const T>(p, p.v) + n0 * p.v.row_stride;
-    const int kv_rows = static_cast<int>(min(b.kv_len - n0, int64_t{BN}));
     // Every warp is past its last reads of the previous instance's tiles (sK / sV in the dQ
     // GEMM, the Q / dO stages in the dK / dV GEMMs) before the loads below overwrite them: the
     // dQ step has no CTA barrier, so nothing else orders them.
     __syncthreads();
-    if (k != k_resident || v != v_resident || kv_rows != kv_rows_resident) {
-      load_tile<kThreads>(sK, k, p.k.row_stride, kv_rows, head_dim, k_vec, tid);
-      load_tile<kThreads>(sV, v, p.v.row_stride, kv_rows, head_dim, v_vec, tid);
-      k_resident = k, v_resident = v, kv_rows_resident = kv_rows;
-    }
+    resident.template load<kThreads>(sK, sV, p, inst.origin<const T>(p, p.k) + n0 * p.k.row_stride,
+                                     inst.origin<const T>(p, p.v) + n0 * p.v.row_stride,
+                                     static_cast<int>(min(b.kv_len - n0, int64_t{BN})), k_vec, v_vec, tid);
 
     auto load_q_tile = [&](int64_t m0, int s) {
       const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));  // rows past q_len: zeros
@@ -168,20 +160,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
   }
   flush_dq_turn(pending, lane);
-
-  // Epilogue: dK (x scale) and dV through shared memory (as T) to global.
-  // Keys in [kv_len, S) are written too: their accumulators are 0.
-  cp_async_wait<0>();
-  __syncthreads();
-  store_frags<T>(sK, dk, kv_row0, kv_col0, rt.scale, lane);
-  store_frags<T>(sV, dv, kv_row0, kv_col0, rt.dv_scale, lane);
-  __syncthreads();
-  const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
-  const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
-  store_tile_rows<kThreads, BN>(sK, 0, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, rows_out,
-                                head_dim, rt.dk_vec, tid);
-  store_tile_rows<kThreads, BN>(sV, 0, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride, rows_out,
-                                head_dim, rt.dv_vec, tid);
+  store_dk_dv<kThreads, BN, T>(p, rt, sK, sV, dk, dv, kv_row0, kv_col0, kept, n0, tid);
 }
 
 }  // namespace jaxflash::gpu

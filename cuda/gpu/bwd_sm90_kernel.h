@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "bwd_dq.h"
+#include "bwd_key_tile.h"
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
 #include "instance.h"
@@ -127,9 +128,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   zero_frags(dk);
   zero_frags(dv);
 
-  const T* k_resident = nullptr;
-  const T* v_resident = nullptr;
-  int kv_rows_resident = -1;
+  ResidentKv<T> resident;  // a GQA group shares the K/V rows
   int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
 
 #pragma unroll 1
@@ -145,18 +144,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float* delta_rows = rt.delta + linear * rt.t_pad;
     const uint32_t* seed = Cfg::kDropout ? inst.origin<const uint32_t>(p, p.seed) : nullptr;
 
-    const T* k = inst.origin<const T>(p, p.k) + n0 * p.k.row_stride;
-    const T* v = inst.origin<const T>(p, p.v) + n0 * p.v.row_stride;
-    const int kv_rows = static_cast<int>(min(b.kv_len - n0, int64_t{BN}));
     // Every warpgroup's products of the previous instance are complete (each
     // waited for its own before its last barrier); this one orders them
     // before the loads below overwrite their operands.
     __syncthreads();
-    if (k != k_resident || v != v_resident || kv_rows != kv_rows_resident) {
-      load_tile<kThreads>(sK, k, p.k.row_stride, kv_rows, head_dim, true, tid);
-      load_tile<kThreads>(sV, v, p.v.row_stride, kv_rows, head_dim, true, tid);
-      k_resident = k, v_resident = v, kv_rows_resident = kv_rows;
-    }
+    resident.template load<kThreads>(sK, sV, p, inst.origin<const T>(p, p.k) + n0 * p.k.row_stride,
+                                     inst.origin<const T>(p, p.v) + n0 * p.v.row_stride,
+                                     static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);
 
     // Q, dO and their rows' lse2 / delta (the workspace pads them to whole
     // tiles: lse2 = +inf past q_len, so those rows' P is 0), and with dropout
@@ -298,20 +292,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   flush_dq_turn(pending, lane);
   hold_acc(dk);
   hold_acc(dv);
-
-  // Epilogue: dK (x scale) and dV through shared memory (as T) to global.
-  // Keys in [kv_len, S) are written too: their accumulators are 0.
-  cp_async_wait<0>();
-  __syncthreads();
-  store_frags<T>(sK, dk, warp_key0, 0, rt.scale, lane);
-  store_frags<T>(sV, dv, warp_key0, 0, rt.dv_scale, lane);
-  __syncthreads();
-  const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
-  const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
-  store_tile_rows<kThreads, BN>(sK, 0, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, rows_out,
-                                head_dim, rt.dk_vec, tid);
-  store_tile_rows<kThreads, BN>(sV, 0, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride, rows_out,
-                                head_dim, rt.dv_vec, tid);
+  store_dk_dv<kThreads, BN, T>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);
 #else
   (void)p, (void)rt;
 #endif

@@ -1,0 +1,62 @@
+// A backward CTA's own key tile, shared by the main kernels (bwd_kernel.h,
+// bwd_sm90_kernel.h): its K and V stay in shared memory across the instances
+// that read the same rows (the query heads of a GQA group), and its dK and dV,
+// accumulated in registers over all of them, leave through shared memory once.
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_kernel_traits.h"
+#include "instance.h"
+#include "primitives/smem_tile.h"
+#include "primitives/warp_gemm.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// The K / V rows now in shared memory.
+template <class T>
+struct ResidentKv {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  int rows = -1;
+
+  // Copies the tile's K and V (rows past `rows` zero-filled: padding may hold
+  // anything, NaN included) unless they are the resident ones: same origins and
+  // row count, same contents. cp.async; the caller commits and waits.
+  template <int kThreads, class Tile>
+  __device__ __forceinline__ void load(const Tile& sK, const Tile& sV, const AttentionParams& p, const T* k_tile,
+                                       const T* v_tile, int tile_rows, bool k_vec, bool v_vec, int tid) {
+    if (k_tile == k && v_tile == v && tile_rows == rows) return;
+    const int head_dim = static_cast<int>(p.head_dim);
+    load_tile<kThreads>(sK, k_tile, p.k.row_stride, tile_rows, head_dim, k_vec, tid);
+    load_tile<kThreads>(sV, v_tile, p.v.row_stride, tile_rows, head_dim, v_vec, tid);
+    k = k_tile, v = v_tile, rows = tile_rows;
+  }
+};
+
+// The epilogue: dK (x scale) and dV (x dv_scale) from the lanes' fragments,
+// whose block starts at (frag_row0, frag_col0) of the tile, to shared memory
+// as T (over K and V, no longer read), then whole rows to global memory. Keys
+// in [kv_len, S) are written too: their accumulators are 0.
+template <int kThreads, int BN, class T, class Tile, int MF, int NF>
+__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const BwdRuntime& rt, const Tile& sK,
+                                            const Tile& sV, const float (&dk)[MF][NF][4],
+                                            const float (&dv)[MF][NF][4], int frag_row0, int frag_col0,
+                                            int64_t kept, int64_t n0, int tid) {
+  const int lane = tid % 32;
+  cp_async_wait<0>();
+  __syncthreads();
+  store_frags<T>(sK, dk, frag_row0, frag_col0, rt.scale, lane);
+  store_frags<T>(sV, dv, frag_row0, frag_col0, rt.dv_scale, lane);
+  __syncthreads();
+  const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
+  const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
+  const int head_dim = static_cast<int>(p.head_dim);
+  store_tile_rows<kThreads, BN>(sK, 0, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, rows_out,
+                                head_dim, rt.dk_vec, tid);
+  store_tile_rows<kThreads, BN>(sV, 0, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride, rows_out,
+                                head_dim, rt.dv_vec, tid);
+}
+
+}  // namespace jaxflash::gpu
