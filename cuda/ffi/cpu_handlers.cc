@@ -76,33 +76,23 @@ ffi::Error run_on_pool(ffi::ThreadPool pool, void (*kernel)(const AttentionParam
 
 ffi::Error forward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
-                       ffi::AnyBuffer seed,
-                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                       ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
-                       ffi::Span<const int64_t> dims, float scale, int64_t window_left, int64_t window_right,
-                       int64_t flags, int64_t keep_threshold, float keep_scale) {
+                       ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_forward(p, q, k, v, bias, mask, q_lens, kv_lens, seed, *o, *lse, instance_sizes, strides, dims,
-                              scale, window_left, window_right, flags, keep_threshold, keep_scale);
-      e.failure())
+  if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed}, *o, *lse, attrs); e.failure())
     return e;
   return run_on_pool(pool, &cpu::forward, p);
 }
 
 ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
-                       ffi::AnyBuffer seed,
-                        ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
+                        ffi::AnyBuffer seed, ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/,
-                        ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
-                        ffi::Span<const int64_t> dims, float scale, int64_t window_left, int64_t window_right,
-                        int64_t flags, int64_t keep_threshold, float keep_scale) {
+                        ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/, LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_backward(p, q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o, *dq, *dk, *dv, *dbias,
-                               instance_sizes, strides, dims, scale, window_left, window_right, flags,
-                               keep_threshold, keep_scale);
+  if (auto e = decode_backward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed}, lse, delta, d_o, *dq, *dk, *dv,
+                               *dbias, attrs);
       e.failure())
     return e;
   return run_on_pool(pool, &cpu::backward, p);

@@ -23,33 +23,24 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
 }
 
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens,
-                        ffi::AnyBuffer kv_lens, ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o,
-                        ffi::Result<ffi::AnyBuffer> lse, ffi::Span<const int64_t> instance_sizes,
-                        ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
-                        int64_t window_left, int64_t window_right, int64_t flags, int64_t keep_threshold,
-                        float keep_scale) {
+                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                        ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                        LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_forward(p, q, k, v, bias, mask, q_lens, kv_lens, seed, *o, *lse, instance_sizes, strides, dims,
-                              scale, window_left, window_right, flags, keep_threshold, keep_scale);
-      e.failure())
+  if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed}, *o, *lse, attrs); e.failure())
     return e;
   return launch_status(gpu::launch_forward(p, stream), "forward");
 }
 
 ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens,
-                         ffi::AnyBuffer kv_lens, ffi::AnyBuffer seed, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
-                         ffi::AnyBuffer d_o, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
+                         ffi::AnyBuffer seed, ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
+                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                         ffi::Result<ffi::AnyBuffer> workspace, ffi::Span<const int64_t> instance_sizes,
-                         ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
-                         int64_t window_left, int64_t window_right, int64_t flags, int64_t keep_threshold,
-                         float keep_scale) {
+                         ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_backward(p, q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o, *dq, *dk, *dv, *dbias,
-                               instance_sizes, strides, dims, scale, window_left, window_right, flags,
-                               keep_threshold, keep_scale);
+  if (auto e = decode_backward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed}, lse, delta, d_o, *dq, *dk, *dv,
+                               *dbias, attrs);
       e.failure())
     return e;
   const int64_t needed =

@@ -3,7 +3,7 @@
 // things: dtypes, the layout attributes, and that every view stays inside its
 // buffer (a layout bug in Python becomes an error, never an out-of-bounds read).
 //
-// Attributes (all int64 unless said):
+// Attributes (all int64 unless said), decoded together into LayoutAttrs:
 //   instance_sizes : [D]            sizes of the instance axes, D <= kMaxInstanceDims
 //   strides        : [kSlots*(D+2)] per slot: D instance strides, row stride, col stride
 //   dims           : [3]            T, S, H
@@ -36,17 +36,24 @@ inline const char* slot_name(int slot) {
   return names[slot];
 }
 
-inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Span<const int64_t> strides,
-                                ffi::Span<const int64_t> dims, float scale, int64_t window_left,
-                                int64_t window_right, int64_t flags, int64_t keep_threshold, float keep_scale,
-                                AttentionParams& p) {
+// Every attribute of a call (the header lists them), as the FFI decodes its
+// attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
+struct LayoutAttrs {
+  ffi::Span<const int64_t> instance_sizes, strides, dims;
+  float scale;
+  int64_t window_left, window_right, flags, keep_threshold;
+  float keep_scale;
+};
+
+inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
+  const ffi::Span<const int64_t> instance_sizes = a.instance_sizes, strides = a.strides, dims = a.dims;
   const int64_t D = static_cast<int64_t>(instance_sizes.size());
   if (D > kMaxInstanceDims)
     return ffi::Error::InvalidArgument("jaxflash: too many instance dimensions: " + std::to_string(D));
   if (static_cast<int64_t>(strides.size()) != kSlots * (D + 2))
     return ffi::Error::InvalidArgument("jaxflash: strides attribute has the wrong length");
   if (dims.size() != 3) return ffi::Error::InvalidArgument("jaxflash: dims attribute must be [T, S, H]");
-  if (window_left < kUnbounded || window_right < kUnbounded)
+  if (a.window_left < kUnbounded || a.window_right < kUnbounded)
     return ffi::Error::InvalidArgument("jaxflash: window sizes must be -1 (unbounded) or >= 0");
   p.num_inst_dims = static_cast<int>(D);
   for (int64_t d = 0; d < D; ++d) {
@@ -58,15 +65,15 @@ inline ffi::Error decode_layout(ffi::Span<const int64_t> instance_sizes, ffi::Sp
   p.head_dim = dims[2];
   if (p.seqlen_q < 1 || p.seqlen_k < 1 || p.head_dim < 1)
     return ffi::Error::InvalidArgument("jaxflash: T, S and H must be >= 1");
-  p.scale = scale;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.flags = flags;
+  p.scale = a.scale;
+  p.window_left = a.window_left;
+  p.window_right = a.window_right;
+  p.flags = a.flags;
   if (p.has(kDropout)) {
-    if (keep_threshold < 0 || keep_threshold > int64_t{0xFFFFFFFF} || !(keep_scale >= 1.f))
+    if (a.keep_threshold < 0 || a.keep_threshold > int64_t{0xFFFFFFFF} || !(a.keep_scale >= 1.f))
       return ffi::Error::InvalidArgument("jaxflash: dropout needs 0 <= keep_threshold < 2^32 and keep_scale >= 1");
-    p.keep_threshold = static_cast<uint32_t>(keep_threshold);
-    p.keep_scale = keep_scale;
+    p.keep_threshold = static_cast<uint32_t>(a.keep_threshold);
+    p.keep_scale = a.keep_scale;
   }
 
   ArrayView* views[kSlots] = {&p.q, &p.k,    &p.v,    &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.o,
@@ -179,36 +186,29 @@ inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
 }
 
 // The whole decode of each direction, shared by the CPU and CUDA handlers.
-inline ffi::Error decode_forward(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
-                                 ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
-                                 ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& o,
-                                 ffi::AnyBuffer& lse, ffi::Span<const int64_t> instance_sizes,
-                                 ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
-                                 int64_t window_left, int64_t window_right, int64_t flags, int64_t keep_threshold,
-                                 float keep_scale) {
-  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, keep_threshold,
-                             keep_scale, p);
-      e.failure())
-    return e;
-  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens, seed); e.failure()) return e;
+// The operands every direction takes first (bind_inputs).
+struct Inputs {
+  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed;
+};
+
+// The layout, then the shared operands.
+inline ffi::Error decode_inputs(AttentionParams& p, Inputs& in, const LayoutAttrs& attrs) {
+  if (auto e = decode_layout(attrs, p); e.failure()) return e;
+  return attach_inputs(p, in.q, in.k, in.v, in.bias, in.mask, in.q_lens, in.kv_lens, in.seed);
+}
+
+inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& o, ffi::AnyBuffer& lse,
+                                 const LayoutAttrs& attrs) {
+  if (auto e = decode_inputs(p, in, attrs); e.failure()) return e;
   const ffi::DataType o_type = p.has(kOutputF32) ? ffi::DataType::F32 : ffi_type(p.dtype);
   if (auto e = attach(p, kO, p.o, o, o_type); e.failure()) return e;
   return attach(p, kLse, p.lse, lse, ffi::DataType::F32);
 }
 
-inline ffi::Error decode_backward(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
-                                  ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
-                                  ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& lse,
-                                  ffi::AnyBuffer& delta, ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk,
-                                  ffi::AnyBuffer& dv, ffi::AnyBuffer& dbias, ffi::Span<const int64_t> instance_sizes,
-                                  ffi::Span<const int64_t> strides, ffi::Span<const int64_t> dims, float scale,
-                                  int64_t window_left, int64_t window_right, int64_t flags, int64_t keep_threshold,
-                                  float keep_scale) {
-  if (auto e = decode_layout(instance_sizes, strides, dims, scale, window_left, window_right, flags, keep_threshold,
-                             keep_scale, p);
-      e.failure())
-    return e;
-  if (auto e = attach_inputs(p, q, k, v, bias, mask, q_lens, kv_lens, seed); e.failure()) return e;
+inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
+                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
+                                  ffi::AnyBuffer& dbias, const LayoutAttrs& attrs) {
+  if (auto e = decode_inputs(p, in, attrs); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
   if (auto e = attach(p, kDelta, p.delta, delta, ffi::DataType::F32); e.failure()) return e;
@@ -239,15 +239,7 @@ auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, 
 
 template <class Binding>
 auto bind_attributes(Binding&& binding) {
-  return std::move(binding).template Attr<ffi::Span<const int64_t>>("instance_sizes")
-      .template Attr<ffi::Span<const int64_t>>("strides")
-      .template Attr<ffi::Span<const int64_t>>("dims")
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<int64_t>("flags")
-      .template Attr<int64_t>("keep_threshold")
-      .template Attr<float>("keep_scale");
+  return std::move(binding).template Attrs<LayoutAttrs>();
 }
 
 template <class Binding>
@@ -269,3 +261,14 @@ auto bind_backward(Binding&& binding) {
 }
 
 }  // namespace jaxflash
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxflash::LayoutAttrs,
+                                      xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("instance_sizes"),
+                                      xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("strides"),
+                                      xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("dims"),
+                                      xla::ffi::StructMember<float>("scale"),
+                                      xla::ffi::StructMember<int64_t>("window_left"),
+                                      xla::ffi::StructMember<int64_t>("window_right"),
+                                      xla::ffi::StructMember<int64_t>("flags"),
+                                      xla::ffi::StructMember<int64_t>("keep_threshold"),
+                                      xla::ffi::StructMember<float>("keep_scale"));
