@@ -1,4 +1,4 @@
-"""What attention dropout costs: jaxflash fwd+bwd with dropout against itself without, and
+"""What attention dropout costs: jaxflash fwd and fwd+bwd with dropout against itself without, and
 Flax's dropout attention on XLA (which materialises the T×S weights and their mask) as the peer,
 timed in one process. FlashAttention's protocol as jaxflash.bench: 16k tokens, hidden 2048, bf16.
 
@@ -45,29 +45,30 @@ def main(argv=None) -> int:
   paths = {"no dropout": jaxflash.attention,
            "dropout": functools.partial(jaxflash.attention, dropout_rate=args.rate, dropout_rng=rng),
            "flax xla dropout": flax_xla_dropout(args.rate, rng)}
-  print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: fwd+bwd TFLOP/s, bf16, "
+  print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}: TFLOP/s, bf16, "
         f"dropout rate {args.rate}, {args.tokens} tokens, hidden 2048, median of {args.repeats}")
-  print("| D | N | causal | " + " | ".join(paths) + " | dropout / no dropout |")
-  print("|---|---|---|" + "---|" * (len(paths) + 1))
+  print("| D | N | causal | direction | " + " | ".join(paths) + " | dropout / no dropout |")
+  print("|---|---|---|---|" + "---|" * (len(paths) + 1))
   for head_dim in args.head_dims:
     heads = 2048 // head_dim
     for n in args.seqlens:
       batch = max(1, args.tokens // n)
       qkv = inputs(jax.random.key(n), batch, n, heads, head_dim, jnp.bfloat16)
       for causal in (False, True):
-        flops = 4 * batch * heads * n * n * head_dim * (0.5 if causal else 1) * 3.5
-        rates = {}
-        for name, fn in paths.items():
-          if name.startswith("flax") and n > args.xla_max_seqlen:
-            rates[name] = None
-            continue
-          t, _ = measure(fn, qkv, True, causal, args.repeats)
-          rates[name] = flops / t / 1e12 if isinstance(t, float) else None
-        cells = [f"{r:.3g}" if r else "-" for r in rates.values()]
-        ratio = (f"{rates['dropout'] / rates['no dropout']:.2f}"
-                 if rates["dropout"] and rates["no dropout"] else "-")
-        print(f"| {head_dim} | {n} | {'yes' if causal else 'no'} | " + " | ".join(cells) +
-              f" | {ratio} |", flush=True)
+        for backward in (False, True):
+          flops = 4 * batch * heads * n * n * head_dim * (0.5 if causal else 1) * (3.5 if backward else 1)
+          rates = {}
+          for name, fn in paths.items():
+            if name.startswith("flax") and n > args.xla_max_seqlen:
+              rates[name] = None
+              continue
+            t, _ = measure(fn, qkv, backward, causal, args.repeats)
+            rates[name] = flops / t / 1e12 if isinstance(t, float) else None
+          cells = [f"{r:.3g}" if r else "-" for r in rates.values()]
+          ratio = (f"{rates['dropout'] / rates['no dropout']:.2f}"
+                   if rates["dropout"] and rates["no dropout"] else "-")
+          print(f"| {head_dim} | {n} | {'yes' if causal else 'no'} | {'fwd+bwd' if backward else 'fwd'} | " +
+                " | ".join(cells) + f" | {ratio} |", flush=True)
   return 0
 
 
