@@ -4,8 +4,9 @@
 # short table last. Logs go to $OUT (the device tool brings them back).
 #
 #   scripts/gpu_check.sh tests   build, native self-tests, the GPU test suite
-#   scripts/gpu_check.sh bench   build, compute-sanitizer, benchmark, `python -m jaxflash`
-#   scripts/gpu_check.sh full    all of it (about 15 minutes on an H100)
+#   scripts/gpu_check.sh bench   build, compute-sanitizer, the benchmark protocol
+#   scripts/gpu_check.sh cli     build, `python -m jaxflash --plot`, the dropout benchmark
+#   scripts/gpu_check.sh full    all of it (about 18 minutes on an H100)
 #   scripts/gpu_check.sh quick   build and the GPU test suite only
 #
 # The halves fit the device tool's 10-minute calls. Builds for sm_90a only
@@ -13,7 +14,7 @@
 # run in CI (.ci/run), so here pytest selects the CUDA ones (-k cuda).
 set -uo pipefail
 MODE=${1:-full}
-case "$MODE" in tests|bench|full|quick) ;; *) echo "usage: $0 [tests|bench|full|quick]"; exit 2 ;; esac
+case "$MODE" in tests|bench|cli|full|quick) ;; *) echo "usage: $0 [tests|bench|cli|full|quick]"; exit 2 ;; esac
 want() { [ "$MODE" = full ] || [[ " $* " == *" $MODE "* ]]; }
 OUT=${OUT:-/tmp/jaxflash_out}
 mkdir -p "$OUT"
@@ -82,8 +83,11 @@ if want bench; then
   done
   step bench bench.log 300 python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
     --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
-  step main_job main_job.log 150 python3 -m jaxflash --dtype bfloat16 --seqlens 4096,16384 --heads 16 \
-    --head-dim 128 --batch 1
+fi
+if want cli; then
+  # The command line at its defaults (sized for about a minute), with its plots.
+  step main_job main_job.log 200 python3 -m jaxflash --plot "$OUT/plots"
+  step dropout dropout.log 240 python3 "$REPO/benchmarks/dropout_overhead.py"
 fi
 
 echo
@@ -94,4 +98,5 @@ for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done
 for f in "$OUT"/*selftest.log; do [ -f "$f" ] && printf '%-18s %s\n' "$(basename "$f" .log)" "$(grep -E "passed, .* failed" "$f")"; done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+[ -f "$OUT/dropout.log" ] && cat "$OUT/dropout.log"
 exit $FAILED

@@ -20,6 +20,10 @@ CASES = (
     ("float32", (1, 77, 2, 96), (1, 33, 2, 96), dict(bias=(1, 2, 77, 33), is_causal=True)),
     ("bfloat16", (1, 130, 2, 200), (1, 257, 2, 200), dict(mask_alignment="bottom_right", is_causal=True)),
     ("float16", (1, 1, 2, 32), (1, 1, 2, 32), {}),
+    # Dropout: the sm_90 backward's dropout copy (16-bit, D = 64, no bias) and the mma.sync
+    # general kernels with the dbias pass (float32, bias).
+    ("bfloat16", (2, 150, 4, 64), (2, 150, 2, 64), dict(is_causal=True, dropout=True)),
+    ("float32", (1, 70, 2, 40), (1, 90, 2, 40), dict(bias=(1, 2, 70, 90), dropout=True)),
 )
 
 
@@ -32,6 +36,8 @@ def run(dtype, q_shape, kv_shape, extra):
   bias_shape, mask_shape = extra.pop("bias", None), extra.pop("mask", None)
   bias = None if bias_shape is None else jax.random.normal(keys[3], bias_shape, dtype)
   mask = None if mask_shape is None else jax.random.bernoulli(keys[4], 0.8, mask_shape)
+  if extra.pop("dropout", False):
+    extra.update(dropout_rate=0.2, dropout_rng=keys[5])
   if extra.pop("lengths", False):
     B, T, S = q_shape[0], q_shape[1], kv_shape[1]
     extra["query_seq_lengths"] = jnp.array([T, T // 2, 0][:B], jnp.int32)
