@@ -1,8 +1,19 @@
 """jaxflash: FlashAttention for JAX.
 
-``jaxflash.attention`` is a drop-in for ``jax.nn.dot_product_attention`` that
-runs jaxflash's own kernels (C++ on CPU, CUDA on NVIDIA GPUs) through XLA FFI;
-``jaxflash.flax_attention`` is the same as the ``attention_fn`` of Flax's attention modules.
+Public API:
+
+- ``jaxflash.attention``: a drop-in for ``jax.nn.dot_product_attention`` (same arguments,
+  layouts and dtypes, plus attention dropout) computed by jaxflash's own kernels, C++ on the
+  CPU and CUDA on NVIDIA GPUs, called through XLA FFI. Memory is O(N) in the sequence length.
+- ``jaxflash.flax_attention``: the same kernels as the ``attention_fn`` of Flax's attention
+  modules (``flax.linen.MultiHeadDotProductAttention``, ``flax.nnx.MultiHeadAttention``).
+- ``jaxflash.dropout_mask``: the boolean keep-mask that attention dropout applies for a key,
+  for debugging and reference implementations.
+- ``jaxflash.backends()``: the platforms this build has kernels for.
+- ``jaxflash.__version__``: the package version (the distribution's version is read from it).
+
+``python -m jaxflash`` checks the installed build against ``jax.nn.dot_product_attention``
+and times it; README.md covers installation, and docs/DESIGN.md the design.
 """
 
 from jaxflash.attention import attention
@@ -14,7 +25,13 @@ __version__ = "0.1.0"
 
 
 def backends() -> tuple[str, ...]:
-  """The platforms this build of jaxflash has kernels for, e.g. ``("cpu", "cuda")``."""
+  """The platforms this build of jaxflash has kernels for: ``("cpu",)`` or ``("cpu", "cuda")``.
+
+  ``"cuda"`` is there when the build found a CUDA compiler (CMake's ``JAXFLASH_CUDA``,
+  ``auto`` by default). It says what was compiled, not what this process can run: the CUDA
+  kernels also need JAX's CUDA plugin and a GPU whose architecture the build included
+  (``JAXFLASH_CUDA_ARCHITECTURES``). ``jax.default_backend()`` says where JAX runs.
+  """
   return PLATFORMS
 
 

@@ -1,55 +1,76 @@
-"""python -m jaxflash: is jaxflash right here, and how fast is it?
+"""python -m jaxflash: is jaxflash right on this machine, and how fast is it?
 
-Runs on whatever backend JAX has (the GPU if there is one, else the CPU):
+Runs on the backend JAX picked (the GPU if there is one, else the CPU):
 
-1. a self-check: jaxflash against jax.nn.dot_product_attention on a few configurations per
-   dtype, forward and gradients, each held to FlashAttention's rule (error at most twice
-   jax.nn's own error in the input dtype, plus a small atol), one PASS/FAIL line each;
-2. a speed and memory table: jaxflash, jax.nn's XLA path and (on a GPU) jax.nn's cuDNN path,
-   jitted and timed side by side in this process (median wall time, TFLOP/s, the compiled
-   program's memory footprint), forward and forward+backward;
-3. with --plot DIR, PNG plots: TFLOP/s and memory against sequence length, and TFLOP/s as the
-   number of heads and the batch grow (two extra sweeps, run only for the plots).
+1. a self-check: jaxflash against jax.nn.dot_product_attention on a few configurations in each
+   of float32, float16 and bfloat16, forward and gradients. Each result is held to
+   FlashAttention's rule: against a float32 reference, jaxflash's error may be at most twice
+   jax.nn's own error in the input dtype, plus a small atol (jaxflash/accuracy.py). One
+   PASS/FAIL line per configuration, with the error and the allowed error of each output;
+2. a speed and memory table: jaxflash, jax.nn's XLA path and, on a GPU, jax.nn's cuDNN path,
+   jitted and timed side by side in this process, forward and forward+backward: median time,
+   TFLOP/s, the compiled program's memory footprint, and jaxflash's speedup over each;
+3. with --plot DIR (or --scaling), two more sweeps: the number of heads and the batch size
+   grow at a fixed sequence length. --plot writes PNG plots: TFLOP/s and memory against
+   sequence length, and the scaling with heads and batch (needs matplotlib).
 
-The exit status is 0 when every self-check line passes, 1 otherwise.
+Most of a run is compiling: one program per path, shape and direction, so the defaults, chosen
+per backend, keep the shapes few and finish in about a minute. The exit status is 0 when every
+self-check line passes (or --skip-check), 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import math
+import os
 import sys
+import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import jaxflash
+from jaxflash import bench
 from jaxflash.accuracy import error_bound, max_abs_error
-from jaxflash.bench import inputs, measure
 
-# (name, q shape BTNH, kv shape BSKH, keyword arguments); no row is fully masked in these, so
-# jax.nn's convention and ours agree.
+# (name, q shape BTNH, kv shape BSKH, keyword arguments, with "bias" a shape); no row is fully
+# masked in these, so jax.nn's convention and jaxflash's agree.
 CHECKS = (
     ("MHA", (2, 128, 4, 64), (2, 128, 4, 64), {}),
     ("causal GQA, odd sizes", (2, 113, 4, 64), (2, 203, 2, 64), {"is_causal": True}),
     ("window, head dim 40", (1, 255, 2, 40), (1, 256, 2, 40), {"local_window_size": (17, 5)}),
     ("bias, head dim 128", (1, 64, 2, 128), (1, 200, 2, 128), {"bias": (1, 2, 64, 200)}),
 )
+CHECK_DTYPES = ("float32", "float16", "bfloat16")
+CHECK_RESULTS = ("out", "dq", "dk", "dv", "dbias")
 
-# Defaults per backend, chosen so that a default run takes about a minute: most of it is
-# compiling one program per path, shape and direction, so the GPU gets few, long sequences.
+# Defaults per backend ("gpu" or "cpu"), each chosen so that a default run takes about a
+# minute. On a GPU compiling dominates (one program per path, shape and direction), so it gets
+# four sequence lengths, and the sweeps share the table's batch and heads, so that one point of
+# each is a table cell already. The CPU's kernels run at GFLOP/s: it gets short sequences, and
+# jax.nn's XLA path, which stores the T×S logits, a limit. A max_xla_seqlen of None: no limit.
 DEFAULTS = {
-    "gpu": dict(seqlens="1024,2048,4096,8192", batch=2, heads=16, head_dim=128, dtype="bfloat16",
-                repeats=5, max_xla_seqlen=8192, heads_sweep="4,8,16,32", batch_sweep="1,2,4,8",
-                sweep_seqlen=2048),
-    "cpu": dict(seqlens="256,512,1024", batch=1, heads=4, head_dim=64, dtype="float32",
-                repeats=3, max_xla_seqlen=1024, heads_sweep="1,2,4,8", batch_sweep="1,2,4",
+    "gpu": dict(seqlens=(512, 1024, 2048, 4096), batch=2, heads=16, head_dim=128,
+                dtype="bfloat16", repeats=10, max_xla_seqlen=None, heads_sweep=(4, 8, 16, 32),
+                batch_sweep=(1, 2, 4, 8), sweep_seqlen=2048),
+    "cpu": dict(seqlens=(256, 512, 1024), batch=1, heads=4, head_dim=64, dtype="float32",
+                repeats=3, max_xla_seqlen=4096, heads_sweep=(1, 2, 4, 8), batch_sweep=(1, 2, 4),
                 sweep_seqlen=256),
 }
+
+# jaxflash's CUDA kernels serve JAX's "gpu" backend; its CPU kernels the "cpu" backend.
+KERNELS_FOR_BACKEND = {"gpu": "cuda", "cpu": "cpu"}
+
+# How the table and plots name bench.paths()'s implementations.
+PATH_LABELS = {"jaxflash": "jaxflash", "xla": "jax.nn XLA", "cudnn": "jax.nn cuDNN"}
 
 # Piped output (logs, CI) is not wrapped at 80 columns: the tables are wider than that.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -57,70 +78,102 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 # ---------------------------------------------------------------- self-check
 
-def _check_inputs(key, q_shape, kv_shape, dtype, bias_shape=None):
-  keys = jax.random.split(key, 5)
-  q = jax.random.normal(keys[0], q_shape, dtype)
-  k = jax.random.normal(keys[1], kv_shape, dtype)
-  v = jax.random.normal(keys[2], kv_shape, dtype)
-  bias = None if bias_shape is None else jax.random.normal(keys[3], bias_shape, dtype)
-  cotangent = jax.random.normal(keys[4], q_shape, dtype)
-  return q, k, v, bias, cotangent
+def _check_inputs(seed, q_shape, kv_shape, bias_shape, dtype):
+  """q, k, v, bias (None without a bias shape) and the output's cotangent, rounded to dtype.
+
+  Drawn by numpy on the host: a jax.random call would compile a device program per shape.
+  """
+  rng = np.random.default_rng(seed)
+  shapes = (q_shape, kv_shape, kv_shape, bias_shape, q_shape)
+  return tuple(None if shape is None else rng.standard_normal(shape, np.float32).astype(dtype)
+               for shape in shapes)
 
 
-def _output_and_grads(attention, q, k, v, bias, cotangent, **kwargs):
-  def loss(q, k, v, bias):
-    out = attention(q, k, v, bias, **kwargs)
-    return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32)), out
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-  # Not under jit: jax.nn picks its float16 matmul precision inside a try that only catches
-  # errors raised eagerly (the F16_F16_F32 preset fails on CPU).
-  grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
-  return (out,) + tuple(grads)
+def _output_and_grads(attention: Callable, options: tuple) -> Callable:
+  """A function of (q, k, v, bias, cotangent) returning attention's output and its gradients."""
+  def output_and_grads(q, k, v, bias, cotangent):
+    def loss(q, k, v, bias):
+      out = attention(q, k, v, bias, **dict(options))
+      return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32)), out
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
+    return (out,) + tuple(grads)
+  return output_and_grads
+
+
+@functools.cache
+def _compiled_output_and_grads(attention: Callable, options: tuple) -> Callable:
+  """_output_and_grads as one jitted program: run op by op, every operation of every
+  configuration would be compiled on its own. Cached per (function, options), so the float32
+  reference of the three dtypes, which has the same shapes, compiles once per configuration.
+
+  On a GPU, XLA's autotuning (timing candidate GEMM kernels on the device while compiling)
+  only buys speed, which the self-check does not measure, at a large share of its compile
+  time: it is turned off for these programs.
+  """
+  compiler_options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+  return jax.jit(_output_and_grads(attention, options), compiler_options=compiler_options)
+
+
+def _run_jax_nn(options, inputs):
+  try:
+    return _compiled_output_and_grads(jax.nn.dot_product_attention, options)(*inputs)
+  except ValueError:
+    # jax.nn asks for the F16_F16_F32 dot algorithm in float16 and falls back to the default
+    # one inside a try that only catches errors raised eagerly; under jit the CPU's refusal
+    # surfaces at lowering instead. Eagerly, the fallback works.
+    return _output_and_grads(jax.nn.dot_product_attention, options)(*inputs)
 
 
 def self_check(progress: Progress) -> tuple[bool, Table]:
-  """Every CHECKS configuration in each dtype; (all passed, the result table)."""
-  table = Table(title=f"self-check on {jax.default_backend()}: max |error| / allowed "
-                      "(2 x jax.nn's own error in the dtype + atol)", title_justify="left")
-  for column in ("", "dtype", "configuration", "out", "dq", "dk", "dv", "dbias"):
+  """Every CHECKS configuration in each CHECK_DTYPES dtype: (all passed, the result table)."""
+  table = Table(title=f"self-check on {_device_name()}: jaxflash against jax.nn.dot_product_"
+                      "attention, forward and gradients", title_justify="left",
+                caption="cells: jaxflash's max |error| / the allowed error, against a float32 "
+                        "reference; allowed: 2 x jax.nn's own error in the dtype + atol",
+                caption_justify="left")
+  for column in ("", "dtype", "configuration", *CHECK_RESULTS):
     table.add_column(column)
-  names = ("out", "dq", "dk", "dv", "dbias")
-  dtypes = (jnp.float32, jnp.float16, jnp.bfloat16)
-  task = progress.add_task("self-check", total=len(dtypes) * len(CHECKS))
-  all_ok = True
-  for dtype in dtypes:
-    for i, (name, q_shape, kv_shape, kwargs) in enumerate(CHECKS):
-      kwargs = dict(kwargs)
-      bias_shape = kwargs.pop("bias", None)
-      q, k, v, bias, ct = _check_inputs(jax.random.key(i), q_shape, kv_shape, dtype, bias_shape)
-      ours = _output_and_grads(jaxflash.attention, q, k, v, bias, ct, **kwargs)
-      baseline = _output_and_grads(jax.nn.dot_product_attention, q, k, v, bias, ct, **kwargs)
-      up = lambda x: None if x is None else x.astype(jnp.float32)
+  task = progress.add_task("self-check", total=len(CHECK_DTYPES) * len(CHECKS))
+  upcast = lambda x: None if x is None else x.astype(np.float32)
+  all_passed = True
+  for dtype in CHECK_DTYPES:
+    for seed, (name, q_shape, kv_shape, kwargs) in enumerate(CHECKS):
+      progress.update(task, description=f"self-check: {dtype}, {name}")
+      options = tuple(sorted((k, v) for k, v in kwargs.items() if k != "bias"))
+      inputs = _check_inputs(seed, q_shape, kv_shape, kwargs.get("bias"), jnp.dtype(dtype))
+      ours = _compiled_output_and_grads(jaxflash.attention, options)(*inputs)
+      baseline = _run_jax_nn(options, inputs)
       with jax.default_matmul_precision("highest"):
-        reference = _output_and_grads(jax.nn.dot_product_attention, up(q), up(k), up(v), up(bias),
-                                      ct, **kwargs)
-      cells, ok = {}, True
-      for label, x, b, r in zip(names, ours, baseline, reference):
-        err, bound = max_abs_error(x, r), error_bound(r, b, dtype)
-        ok &= err <= bound
-        cells[label] = f"{err:.1e} / {bound:.1e}"
-      all_ok &= ok
-      table.add_row("[green]PASS[/]" if ok else "[bold red]FAIL[/]", jnp.dtype(dtype).name, name,
-                    *(cells.get(label, "-") for label in names))
+        reference = _run_jax_nn(options, tuple(map(upcast, inputs)))
+      cells, passed = [], True
+      for x, b, r in zip(ours, baseline, reference):
+        error, allowed = max_abs_error(x, r), error_bound(r, b, dtype)
+        passed &= error <= allowed
+        cells.append(f"{error:.1e} / {allowed:.1e}" if error <= allowed
+                     else f"[bold red]{error:.1e}[/] / {allowed:.1e}")
+      cells += ["-"] * (len(CHECK_RESULTS) - len(cells))
+      all_passed &= passed
+      table.add_row("[green]PASS[/]" if passed else "[bold red]FAIL[/]", dtype, name, *cells)
       progress.advance(task)
-  return all_ok, table
+  return all_passed, table
 
 
 # ---------------------------------------------------------------- benchmarks
 
-def paths() -> dict[str, Callable]:
-  """The implementations compared on this backend."""
-  found = {"jaxflash": jaxflash.attention,
-           "jax.nn xla": functools.partial(jax.nn.dot_product_attention, implementation="xla")}
-  if jax.default_backend() == "gpu":
-    found["jax.nn cudnn"] = functools.partial(jax.nn.dot_product_attention,
-                                              implementation="cudnn")
-  return found
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  """One path timed at one shape and direction; seconds and mib are None when it did not run,
+  and status then says why for the table ("skipped", "OOM" or "-")."""
+  path: str
+  batch: int
+  seqlen: int
+  heads: int
+  backward: bool
+  seconds: float | None
+  mib: float | None
+  status: str = ""
+  tflops: float | None = None
 
 
 def attention_flops(batch, seqlen, heads, head_dim, backward) -> float:
@@ -128,193 +181,353 @@ def attention_flops(batch, seqlen, heads, head_dim, backward) -> float:
   return 4.0 * batch * heads * seqlen * seqlen * head_dim * (3.5 if backward else 1.0)
 
 
-def sweep(points, args, progress, description) -> list[dict]:
-  """Measures every path at each (batch, seqlen, heads, backward) point; one record each."""
-  records = []
-  task = progress.add_task(description, total=len(points) * len(paths()))
-  for batch, seqlen, heads, backward in points:
-    qkv = inputs(jax.random.key(seqlen), batch, seqlen, heads, args.head_dim, args.dtype)
-    for name, fn in paths().items():
-      if name != "jaxflash" and seqlen > args.max_xla_seqlen:
-        seconds, footprint = "skipped", None  # T×S logits per head: too slow / too big here
-      else:
-        seconds, footprint = measure(fn, qkv, backward, False, args.repeats)
-      ok = isinstance(seconds, float)
-      records.append(dict(path=name, batch=batch, seqlen=seqlen, heads=heads, backward=backward,
-                          seconds=seconds if ok else None, status=None if ok else seconds,
-                          tflops=attention_flops(batch, seqlen, heads, args.head_dim, backward)
-                          / seconds / 1e12 if ok else None,
-                          mib=footprint / 2**20 if footprint else None))
-      progress.advance(task)
-  return records
+def _is_out_of_memory(error: Exception) -> bool:
+  message = str(error)
+  return "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower()
 
 
-def speed_table(records, args) -> Table:
-  names = list(paths())
-  table = Table(title=f"speed and memory on {jax.devices()[0].device_kind}: batch {args.batch}, "
-                      f"{args.heads} heads, head dim {args.head_dim}, {jnp.dtype(args.dtype).name}, "
-                      f"median of {args.repeats}; memory = compiled program's footprint",
-                title_justify="left")
-  table.add_column("N", justify="right")
+class Benchmark:
+  """Times every path at the points it is given, remembering each measurement, so that a
+  sweep point that is also a table cell is not compiled and timed twice."""
+
+  def __init__(self, args, progress: Progress):
+    self.args = args
+    self.progress = progress
+    self.paths = bench.paths()
+    self.measured: dict[tuple, Measurement] = {}
+    self.failures: dict[str, str] = {}  # path label -> first line of its first error
+
+  def sweep(self, points, description) -> list[Measurement]:
+    """Measures every path at each (batch, seqlen, heads, backward) point."""
+    todo = [(point, path) for point in points for path in self.paths
+            if (path, *point) not in self.measured]
+    task = self.progress.add_task(description, total=len(todo))
+    shape = qkv = None  # the inputs of the latest shape: one set on the device at a time
+    for (batch, seqlen, heads, backward), path in todo:
+      self.progress.update(task, description=f"{description}: {PATH_LABELS[path]}, batch "
+                           f"{batch}, N {seqlen}, {heads} heads, {_direction(backward)}")
+      if shape != (batch, seqlen, heads):
+        shape, qkv = (batch, seqlen, heads), None  # the old inputs go before the new come
+        qkv = bench.inputs(jax.random.key(seqlen), batch, seqlen, heads, self.args.head_dim,
+                           self.args.dtype)
+      self.measured[(path, batch, seqlen, heads, backward)] = self._measure(
+          path, batch, seqlen, heads, backward, qkv)
+      self.progress.advance(task)
+    self.progress.remove_task(task)
+    return [self.measured[(path, *point)] for point in points for path in self.paths]
+
+  def _measure(self, path, batch, seqlen, heads, backward, qkv) -> Measurement:
+    cell = functools.partial(Measurement, path, batch, seqlen, heads, backward)
+    max_xla = self.args.max_xla_seqlen
+    if path == "xla" and max_xla is not None and seqlen > max_xla:
+      return cell(None, None, "skipped")  # T×S logits per head: slow and large
+    program = bench.compiled(self.paths[path], backward, causal=False)
+    try:
+      seconds = bench.median_seconds(program, qkv, self.args.repeats)
+      footprint = bench.footprint_bytes(program, qkv)
+    except Exception as error:  # noqa: BLE001 - out of memory, or a case the path cannot run
+      self.failures.setdefault(PATH_LABELS[path],
+                               f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+      return cell(None, None, "OOM" if _is_out_of_memory(error) else "-")
+    flops = attention_flops(batch, seqlen, heads, self.args.head_dim, backward)
+    return cell(seconds, footprint / 2**20, tflops=flops / seconds / 1e12)
+
+
+def _direction(backward: bool) -> str:
+  return "fwd+bwd" if backward else "fwd"
+
+
+def _device_name() -> str:
+  device = jax.devices()[0]
+  return f"CPU, {os.cpu_count()} threads" if device.platform == "cpu" else device.device_kind
+
+
+def _ms_text(ms: float) -> str:
+  return f"{ms:,.0f}" if ms >= 99.5 else f"{ms:#.3g}"  # 3 digits: "0.0512", "5.10", "51.0"
+
+
+def _mib_text(mib: float) -> str:
+  return f"{mib:,.0f}" if mib >= 10 else f"{mib:.1f}"
+
+
+def speed_table(measurements, varying: str, title: str, caption: str | None = None) -> Table:
+  """One row per direction and value of `varying` ("seqlen", "heads" or "batch"); per path its
+  time, TFLOP/s and memory, then jaxflash's speedup over each other path."""
+  paths = list(dict.fromkeys(m.path for m in measurements))
+  others = [path for path in paths if path != "jaxflash"]
+  table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
   table.add_column("direction")
-  for name in names:
-    table.add_column(f"{name}\nms", justify="right")
-    table.add_column(f"{name}\nTFLOP/s", justify="right")
-  for name in names[1:]:
-    table.add_column(f"vs {name}", justify="right")
-  for name in names:
-    table.add_column(f"{name}\nMiB", justify="right")
-  rows = {}
-  for r in records:
-    rows.setdefault((r["seqlen"], r["backward"]), {})[r["path"]] = r
-  for (seqlen, backward), by_path in rows.items():
-    cells = [str(seqlen), "fwd+bwd" if backward else "fwd"]
-    for name in names:
-      r = by_path[name]
-      cells += ([f"{r['seconds'] * 1e3:.2f}", f"{r['tflops']:.3g}"] if r["seconds"]
-                else [r["status"], "-"])
-    ours = by_path["jaxflash"]["seconds"]
-    for name in names[1:]:
-      theirs = by_path[name]["seconds"]
-      cells.append(f"{theirs / ours:.2f}x" if ours and theirs else "-")
-    cells += [f"{by_path[name]['mib']:.0f}" if by_path[name]["mib"] else "-" for name in names]
+  table.add_column({"seqlen": "N", "heads": "heads", "batch": "batch"}[varying], justify="right")
+  for path in paths:
+    style = "bold" if path == "jaxflash" else None
+    for unit in ("ms", "TFLOP/s", "MiB"):
+      table.add_column(f"{PATH_LABELS[path]}\n{unit}", justify="right", style=style)
+  for path in others:
+    table.add_column(f"speedup\nvs {PATH_LABELS[path]}", justify="right")
+  rows: dict[tuple, dict[str, Measurement]] = {}
+  for m in sorted(measurements, key=lambda m: (m.backward, getattr(m, varying))):
+    rows.setdefault((m.backward, getattr(m, varying)), {})[m.path] = m
+  previous_direction = None
+  for (backward, value), by_path in rows.items():
+    if previous_direction is not None and backward != previous_direction:
+      table.add_section()
+    previous_direction = backward
+    cells = [_direction(backward), str(value)]
+    for path in paths:
+      m = by_path[path]
+      cells += ([_ms_text(m.seconds * 1e3), f"{m.tflops:.3g}", _mib_text(m.mib)] if m.seconds
+                else [m.status, "-", "-"])
+    ours = by_path["jaxflash"].seconds
+    for path in others:
+      theirs = by_path[path].seconds
+      speedup = theirs / ours if ours and theirs else None
+      cells.append("-" if speedup is None else
+                   f"[green]{speedup:.2f}x[/]" if speedup >= 1 else f"[red]{speedup:.2f}x[/]")
     table.add_row(*cells)
   return table
 
 
 # ---------------------------------------------------------------- plots
 
-def write_plots(directory, table_records, heads_records, batch_records, args) -> list[str]:
-  """PNG plots of the measurements; returns the paths written."""
+def _pyplot():
+  """matplotlib.pyplot on the Agg backend (files, no display). matplotlib is an optional
+  dependency, so it is imported only for --plot, and before anything is measured."""
   try:
     import matplotlib
-  except ImportError as e:
-    raise SystemExit("python -m jaxflash: --plot needs matplotlib (pip install matplotlib, or "
-                     "pip install 'jaxflash[plot]')") from e
+  except ImportError as error:
+    raise SystemExit("python -m jaxflash: --plot needs matplotlib: pip install matplotlib "
+                     "(or pip install 'jaxflash[plot]')") from error
   matplotlib.use("Agg")
-  import os
-
   import matplotlib.pyplot as plt
+  return plt
 
-  os.makedirs(directory, exist_ok=True)
-  device = jax.devices()[0].device_kind
-  setting = f"{device}, {jnp.dtype(args.dtype).name}, head dim {args.head_dim}"
+
+def write_plots(plt, directory, by_seqlen, by_heads, by_batch, args) -> list[str]:
+  """tflops_vs_seqlen.png, memory_vs_seqlen.png and scaling.png in directory; their paths."""
+  from matplotlib.ticker import FuncFormatter  # matplotlib is there: main imported it
+
+  setting = f"{_device_name()}, {args.dtype.name}, head dim {args.head_dim}"
+  paths = list(dict.fromkeys(m.path for m in by_seqlen))
+  colors = {path: f"C{i}" for i, path in enumerate(paths)}
   written = []
 
-  def lines(ax, records, x_key, y_key, backward):
-    for name in paths():
-      points = [(r[x_key], r[y_key]) for r in records
-                if r["path"] == name and r["backward"] == backward and r[y_key]]
+  def lines(ax, measurements, varying, quantity, backward, ylabel, log_y=False):
+    """One line per path; a path's cells that did not run are named in its legend entry."""
+    for path in paths:
+      mine = [m for m in measurements if m.path == path and m.backward == backward]
+      points = [(getattr(m, varying), getattr(m, quantity)) for m in mine if m.seconds]
+      missing = [f"{m.status} at {getattr(m, varying)}" for m in mine if not m.seconds]
+      label = PATH_LABELS[path] + (f" ({', '.join(missing)})" if missing else "")
       if points:
-        ax.plot(*zip(*points), marker="o", label=name)
+        ax.plot(*zip(*points), marker="o", color=colors[path], label=label)
+    values = sorted({getattr(m, varying) for m in measurements})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
+    if log_y:  # plain numbers at 1, 2 and 5 times a power of ten, not 10^k notation
+      ax.set_yscale("log")
+      ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+      ax.yaxis.set_minor_formatter(FuncFormatter(
+          lambda y, _: f"{y:g}" if round(y / 10**math.floor(math.log10(y))) in (2, 5) else ""))
+    else:
+      ax.set_ylim(bottom=0)
+    ax.set_xlabel({"seqlen": "sequence length N", "heads": "heads",
+                   "batch": "batch size"}[varying])
+    ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend()
 
-  def save(fig, name):
-    path = os.path.join(directory, name)
+  def save(fig, name, title):
+    fig.suptitle(title)
     fig.tight_layout()
+    path = os.path.join(directory, name)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     written.append(path)
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  shape = f"batch {args.batch}, {args.heads} heads"
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   for ax, backward in zip(axes, (False, True)):
-    lines(ax, table_records, "seqlen", "tflops", backward)
-    ax.set(xlabel="sequence length", ylabel="TFLOP/s",
-           title=f"{'forward + backward' if backward else 'forward'}")
-  fig.suptitle(f"attention throughput: batch {args.batch}, {args.heads} heads; {setting}")
-  save(fig, "tflops_vs_seqlen.png")
+    lines(ax, by_seqlen, "seqlen", "tflops", backward, "TFLOP/s")
+    ax.set_title("forward + backward" if backward else "forward")
+  save(fig, "tflops_vs_seqlen.png", f"attention throughput: {shape}; {setting}")
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   for ax, backward in zip(axes, (False, True)):
-    lines(ax, table_records, "seqlen", "mib", backward)
-    ax.set_yscale("log")
-    ax.set(xlabel="sequence length", ylabel="MiB (compiled program's footprint)",
-           title=f"{'forward + backward' if backward else 'forward'}")
-  fig.suptitle(f"memory: batch {args.batch}, {args.heads} heads; {setting}")
-  save(fig, "memory_vs_seqlen.png")
+    lines(ax, by_seqlen, "seqlen", "mib", backward, "MiB (compiled program's footprint)",
+          log_y=True)
+    ax.set_title("forward + backward" if backward else "forward")
+  save(fig, "memory_vs_seqlen.png", f"attention memory: {shape}; {setting}")
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-  lines(axes[0], heads_records, "heads", "tflops", True)
-  axes[0].set(xlabel="heads", ylabel="TFLOP/s", title=f"fwd+bwd, batch {args.batch}")
-  lines(axes[1], batch_records, "batch", "tflops", True)
-  axes[1].set(xlabel="batch", ylabel="TFLOP/s", title=f"fwd+bwd, {args.heads} heads")
-  fig.suptitle(f"scaling at sequence length {args.sweep_seqlen}; {setting}")
-  save(fig, "scaling.png")
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+  lines(axes[0], by_heads, "heads", "tflops", True, "TFLOP/s (fwd+bwd)")
+  axes[0].set_title(f"more heads, batch {args.batch}")
+  lines(axes[1], by_batch, "batch", "tflops", True, "TFLOP/s (fwd+bwd)")
+  axes[1].set_title(f"larger batch, {args.heads} heads")
+  save(fig, "scaling.png", f"scaling at sequence length {args.sweep_seqlen}; {setting}")
   return written
 
 
 # ---------------------------------------------------------------- command line
 
-def parse_args(argv):
-  backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
-  d = DEFAULTS[backend]
-  ints = lambda s: [int(x) for x in s.split(",")]
+def _int_list(text: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    values = ()
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(
+        f"expected positive integers separated by commas, got {text!r}")
+  return values
+
+
+def _positive_int(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+  return int(text)
+
+
+def _default_text(name: str) -> str:
+  """'(default: X on a GPU, Y on the CPU)' for a per-backend default."""
+  def show(value):
+    return ("no limit" if value is None else
+            ",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+  gpu, cpu = show(DEFAULTS["gpu"][name]), show(DEFAULTS["cpu"][name])
+  return f"(default: {gpu})" if gpu == cpu else f"(default: {gpu} on a GPU, {cpu} on the CPU)"
+
+
+EPILOG = """\
+Options left out take their default for the backend JAX runs on: a GPU's defaults are sized
+for an H100, the CPU's for a few cores. Both take about a minute; --plot adds the sweeps.
+
+examples:
+  python -m jaxflash                            self-check, then the speed and memory table
+  python -m jaxflash --skip-check --plot plots  the table, the sweeps and three PNG plots
+  python -m jaxflash --skip-bench               the self-check alone (exit status 0 = passed)
+  python -m jaxflash --seqlens 4096,16384 --head-dim 64 --dtype float16
+  JAX_PLATFORMS=cpu python -m jaxflash          the CPU kernels on a machine with a GPU
+"""
+
+
+def parse_args(argv) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m jaxflash", description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog="Defaults depend on the backend (shown for this one, " + backend + "; on the other: "
-             + ", ".join(f"{k}={v}" for k, v in DEFAULTS["cpu" if backend == "gpu" else "gpu"].items())
-             + ").\n\nexamples:\n  python -m jaxflash\n  python -m jaxflash --skip-check --plot plots/\n"
-             "  python -m jaxflash --seqlens 4096,16384 --head-dim 64 --dtype float16")
-  parser.add_argument("--seqlens", type=ints, default=ints(d["seqlens"]),
-                      help="comma-separated sequence lengths of the table (default: %s)" % d["seqlens"])
-  parser.add_argument("--batch", type=int, default=d["batch"], help="batch size (default: %(default)s)")
-  parser.add_argument("--heads", type=int, default=d["heads"],
-                      help="attention heads (default: %(default)s)")
-  parser.add_argument("--head-dim", type=int, default=d["head_dim"],
-                      help="head dim (default: %(default)s)")
-  parser.add_argument("--dtype", default=d["dtype"], choices=("float32", "float16", "bfloat16"),
-                      help="dtype of the table and plots (default: %(default)s)")
-  parser.add_argument("--repeats", type=int, default=d["repeats"],
-                      help="timed runs per cell, after one warm-up (default: %(default)s)")
-  parser.add_argument("--max-xla-seqlen", type=int, default=d["max_xla_seqlen"],
-                      help="longest sequence the jax.nn paths run, whose T×S logits make them slow "
-                           "and large; longer cells say 'skipped' (default: %(default)s)")
-  parser.add_argument("--plot", metavar="DIR",
-                      help="write PNG plots to DIR (needs matplotlib): TFLOP/s and memory vs "
-                           "sequence length, and scaling with heads and batch (two extra sweeps)")
-  parser.add_argument("--heads-sweep", type=ints, default=ints(d["heads_sweep"]),
-                      help="head counts of the scaling plot (default: %s)" % d["heads_sweep"])
-  parser.add_argument("--batch-sweep", type=ints, default=ints(d["batch_sweep"]),
-                      help="batch sizes of the scaling plot (default: %s)" % d["batch_sweep"])
-  parser.add_argument("--sweep-seqlen", type=int, default=d["sweep_seqlen"],
-                      help="sequence length of the scaling sweeps (default: %(default)s)")
-  parser.add_argument("--skip-check", action="store_true", help="skip the self-check")
-  parser.add_argument("--skip-bench", action="store_true",
-                      help="skip the speed/memory table (and the plots)")
+      prog="python -m jaxflash", description=__doc__, epilog=EPILOG,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  check = parser.add_argument_group("what to run")
+  check.add_argument("--skip-check", action="store_true",
+                     help="skip the self-check (the exit status is then 0)")
+  check.add_argument("--skip-bench", action="store_true",
+                     help="skip the speed and memory table (cannot go with --plot or --scaling)")
+  shape = parser.add_argument_group("speed and memory table")
+  shape.add_argument("--seqlens", type=_int_list, metavar="N,N,...",
+                     help="sequence lengths of the table, queries and keys alike; each is one "
+                          "compiled program per path and direction " + _default_text("seqlens"))
+  shape.add_argument("--batch", type=_positive_int, metavar="B",
+                     help="batch size " + _default_text("batch"))
+  shape.add_argument("--heads", type=_positive_int, metavar="H",
+                     help="attention heads (queries and keys alike) " + _default_text("heads"))
+  shape.add_argument("--head-dim", type=_positive_int, metavar="D",
+                     help="head dimension, up to 256 " + _default_text("head_dim"))
+  shape.add_argument("--dtype", choices=CHECK_DTYPES,
+                     help="dtype of the table and the plots; the self-check runs all three "
+                          + _default_text("dtype"))
+  shape.add_argument("--repeats", type=_positive_int, metavar="R",
+                     help="timed runs per cell after the one that compiles; the table shows "
+                          "their median " + _default_text("repeats"))
+  shape.add_argument("--max-xla-seqlen", type=_positive_int, metavar="N",
+                     help="longest sequence jax.nn's XLA path is run at: it stores the T×S "
+                          "logits, slow and large on a CPU; longer cells show 'skipped' (a cell "
+                          "that runs out of memory shows OOM) " + _default_text("max_xla_seqlen"))
+  sweeps = parser.add_argument_group("scaling sweeps (fwd+bwd, run only for --plot or --scaling)")
+  sweeps.add_argument("--plot", metavar="DIR",
+                      help="run the sweeps and write tflops_vs_seqlen.png, memory_vs_seqlen.png "
+                           "and scaling.png to DIR (created if missing; needs matplotlib)")
+  sweeps.add_argument("--scaling", action="store_true",
+                      help="run the sweeps and print their tables without plotting")
+  sweeps.add_argument("--heads-sweep", type=_int_list, metavar="H,H,...",
+                      help="head counts of the heads sweep, at --batch "
+                           + _default_text("heads_sweep"))
+  sweeps.add_argument("--batch-sweep", type=_int_list, metavar="B,B,...",
+                      help="batch sizes of the batch sweep, at --heads "
+                           + _default_text("batch_sweep"))
+  sweeps.add_argument("--sweep-seqlen", type=_positive_int, metavar="N",
+                      help="sequence length of both sweeps " + _default_text("sweep_seqlen"))
   args = parser.parse_args(argv)
+  if args.skip_bench and (args.plot or args.scaling):
+    parser.error("--plot and --scaling need the benchmark: drop --skip-bench")
+  backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
+  for name, value in DEFAULTS[backend].items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
   args.dtype = jnp.dtype(args.dtype)
   return args
 
 
+def benchmark(args, progress: Progress, plt) -> None:
+  """The speed and memory table; with --plot or --scaling the sweeps, with --plot the plots."""
+  runner = Benchmark(args, progress)
+  by_seqlen = runner.sweep([(args.batch, n, args.heads, backward)
+                            for backward in (False, True) for n in args.seqlens],
+                           "speed and memory")
+  progress.console.print(speed_table(
+      by_seqlen, "seqlen", f"speed and memory on {_device_name()}: batch {args.batch}, "
+      f"{args.heads} heads, {args.dtype.name}, head dim {args.head_dim}, not causal", caption=(
+          f"ms: median of {args.repeats} runs after a compiling one; TFLOP/s: 4·B·H·N²·D, "
+          "x3.5 for fwd+bwd; MiB: the compiled program's footprint (arguments + outputs + "
+          "temporaries); speedup: the other path's time / jaxflash's; skipped: N over "
+          "--max-xla-seqlen; OOM: out of memory")))
+  if args.plot or args.scaling:
+    n = args.sweep_seqlen
+    by_heads = runner.sweep([(args.batch, n, h, True) for h in args.heads_sweep],
+                            "scaling with heads")
+    progress.console.print(speed_table(by_heads, "heads",
+                                       f"scaling with heads: N {n}, batch {args.batch}"))
+    by_batch = runner.sweep([(b, n, args.heads, True) for b in args.batch_sweep],
+                            "scaling with batch")
+    progress.console.print(speed_table(by_batch, "batch",
+                                       f"scaling with batch: N {n}, {args.heads} heads"))
+  for label, message in runner.failures.items():
+    progress.console.print(f"{label} did not run a cell ('-' or OOM above); its first error: "
+                           f"{message}", markup=False)
+  if plt is not None:
+    for path in write_plots(plt, args.plot, by_seqlen, by_heads, by_batch, args):
+      progress.console.print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
+  started = time.perf_counter()
   args = parse_args(argv)
-  console.print(f"jaxflash {jaxflash.__version__}, kernels for {', '.join(jaxflash.backends())}; "
-                f"JAX {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind})")
-  ok = True
+  plt = None
+  if args.plot:  # before anything runs: a missing matplotlib or a bad DIR fails at once
+    plt = _pyplot()
+    os.makedirs(args.plot, exist_ok=True)
+  backend = jax.default_backend()
+  console.print(f"jaxflash {jaxflash.__version__} (kernels: {', '.join(jaxflash.backends())}), "
+                f"JAX {jax.__version__} on {backend}: {_device_name()}")
+  if KERNELS_FOR_BACKEND.get(backend) not in jaxflash.backends():
+    console.print(f"[bold red]jaxflash has no kernels for JAX's {backend} backend[/] in this "
+                  "build: reinstall it with them (README: Install), or choose a backend it has, "
+                  "e.g. JAX_PLATFORMS=cpu")
+    return 1
+  passed, phases = True, []
   progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True)
   with progress:
     if not args.skip_check:
-      ok, table = self_check(progress)
+      start = time.perf_counter()
+      passed, table = self_check(progress)
       progress.console.print(table)
+      phases.append(f"self-check {time.perf_counter() - start:.0f} s")
     if not args.skip_bench:
-      points = [(args.batch, n, args.heads, backward) for n in args.seqlens
-                for backward in (False, True)]
-      records = sweep(points, args, progress, "speed and memory")
-      progress.console.print(speed_table(records, args))
-      if args.plot:
-        heads = sweep([(args.batch, args.sweep_seqlen, h, True) for h in args.heads_sweep], args,
-                      progress, "scaling with heads")
-        batch = sweep([(b, args.sweep_seqlen, args.heads, True) for b in args.batch_sweep], args,
-                      progress, "scaling with batch")
-        for path in write_plots(args.plot, records, heads, batch, args):
-          progress.console.print(f"wrote {path}")
-  if not ok:
-    console.print("[bold red]self-check FAILED[/]")
-  return 0 if ok else 1
+      start = time.perf_counter()
+      benchmark(args, progress, plt)
+      phases.append(f"benchmark {time.perf_counter() - start:.0f} s")
+  if not args.skip_check:
+    console.print("self-check: [green]all passed[/]" if passed else
+                  "self-check: [bold red]FAILED[/] (see the rows above)")
+  console.print(f"done in {time.perf_counter() - started:.0f} s "
+                f"({', '.join(phases) or 'nothing run'})")
+  return 0 if passed else 1
 
 
 if __name__ == "__main__":
