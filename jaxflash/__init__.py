@@ -7,6 +7,10 @@ Public API:
   CPU and CUDA on NVIDIA GPUs, called through XLA FFI. Memory is O(N) in the sequence length.
 - ``jaxflash.flax_attention``: the same kernels as the ``attention_fn`` of Flax's attention
   modules (``flax.linen.MultiHeadDotProductAttention``, ``flax.nnx.MultiHeadAttention``).
+- ``jaxflash.ring_attention``: attention over a sequence sharded along a mesh axis, inside
+  ``jax.shard_map`` (ring attention); ``jaxflash.zigzag_order`` lays a sequence out in the
+  order that balances causal attention over the ring. Under ``jax.jit``, ``attention`` itself
+  splits over the devices its operands are sharded on (batch, heads, sequence).
 - ``jaxflash.dropout_mask``: the boolean keep-mask that attention dropout applies for a key,
   for debugging and reference implementations.
 - ``jaxflash.backends()``: the platforms this build has kernels for.
@@ -16,10 +20,11 @@ Public API:
 and times it; README.md covers installation, and docs/DESIGN.md the design.
 """
 
-from jaxflash.attention import attention
+from jaxflash.attention import attention, ring_attention
 from jaxflash.dropout import dropout_mask
 from jaxflash.flax_adapter import flax_attention
-from jaxflash.primitives import PLATFORMS
+from jaxflash.kernels import PLATFORMS
+from jaxflash.ring import zigzag_order
 
 __version__ = "0.1.0"
 
@@ -35,4 +40,5 @@ def backends() -> tuple[str, ...]:
   return PLATFORMS
 
 
-__all__ = ["attention", "backends", "dropout_mask", "flax_attention", "__version__"]
+__all__ = ["attention", "backends", "dropout_mask", "flax_attention", "ring_attention",
+           "zigzag_order", "__version__"]

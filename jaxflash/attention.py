@@ -19,9 +19,11 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jaxflash import dropout as dropout_lib
-from jaxflash import primitives as prims
+from jaxflash import kernels
+from jaxflash import primitives
+from jaxflash import ring as ring_lib
 from jaxflash.layout import COL, ROW, Layout, drop_col
-from jaxflash.primitives import KernelConfig
+from jaxflash.kernels import KernelConfig
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 MAX_HEAD_DIM = 256
@@ -252,17 +254,17 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
   window = _window(local_window_size, is_causal)
   scale = _scale(scale, H)
 
-  flags = prims.BOTTOM_RIGHT if mask_alignment == "bottom_right" else 0
+  flags = kernels.BOTTOM_RIGHT if mask_alignment == "bottom_right" else 0
   if exact_f32 and q.dtype == jnp.float32:
-    flags |= prims.EXACT_F32
+    flags |= kernels.EXACT_F32
   layouts = {"q": seq_layout(q, head_role), "k": seq_layout(k, kv_head_role),
              "v": seq_layout(v, kv_head_role)}
   layouts["o"] = layouts["q"]
   layouts["lse"] = drop_col(layouts["q"])
-  for name, layout, flag in (("bias", bias_layout, prims.HAS_BIAS),
-                             ("mask", mask_layout, prims.HAS_MASK),
-                             ("q_lens", q_lens_layout, prims.HAS_Q_LENS),
-                             ("kv_lens", kv_lens_layout, prims.HAS_KV_LENS)):
+  for name, layout, flag in (("bias", bias_layout, kernels.HAS_BIAS),
+                             ("mask", mask_layout, kernels.HAS_MASK),
+                             ("q_lens", q_lens_layout, kernels.HAS_Q_LENS),
+                             ("kv_lens", kv_lens_layout, kernels.HAS_KV_LENS)):
     if layout is not None:
       layouts[name] = layout
       flags |= flag
@@ -279,7 +281,7 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
       seed = _dropout_seeds(dropout_rng, logits_shape, broadcast_dropout)
       seed_roles = (() if broadcast_dropout else logits_roles[:-2]) + (COL,)
       layouts["seed"] = tuple(zip(seed_roles, seed.shape))
-      flags |= prims.DROPOUT
+      flags |= kernels.DROPOUT
   config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
                         seq_dims=(T, S, H), scale=scale, window=window, flags=flags,
                         keep_threshold=keep_threshold, keep_scale=keep_scale)
@@ -321,7 +323,7 @@ def _dropout_seeds(dropout_rng, logits_shape, broadcast_dropout: bool) -> jax.Ar
 
 
 def _window(local_window_size, is_causal) -> tuple[int, int]:
-  left = right = prims.UNBOUNDED
+  left = right = kernels.UNBOUNDED
   if local_window_size is not None:
     if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
       left = right = int(local_window_size)
@@ -400,13 +402,13 @@ class _WantDbias:
 
 def _optional_operands(bias, mask, q_lens, kv_lens, seed, dtype):
   """bias, mask, q_lens, kv_lens, seed with zero-size placeholders for the absent ones."""
-  return tuple(prims.absent(slot, dtype) if x is None else x
+  return tuple(kernels.absent(slot, dtype) if x is None else x
                for x, slot in ((bias, "bias"), (mask, "mask"), (q_lens, "q_lens"),
                                (kv_lens, "kv_lens"), (seed, "seed")))
 
 
 def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
-  return prims.forward_p.bind(
+  return primitives.forward_p.bind(
       q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), config=config)
 
 
@@ -419,7 +421,7 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
   values = [x.value if x is not None else None
             for x in (q, k, v, bias, mask, q_lens, kv_lens, seed)]
   # The output stays float32 as the backward's residual (see delta in _flash_bwd).
-  out32, lse = _bind_forward(*values, config.replace(flags=config.flags | prims.OUTPUT_F32))
+  out32, lse = _bind_forward(*values, config.replace(flags=config.flags | kernels.OUTPUT_F32))
   want_dbias = bias is not None and bias.perturbed
   return (out32.astype(values[0].dtype), lse), (tuple(values), out32, lse, _WantDbias(want_dbias))
 
@@ -429,11 +431,10 @@ def _flash_bwd(config, residuals, cotangents):
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
-  delta = _delta(d_out, out32, tf32=q.dtype == jnp.float32 and not config.has(prims.EXACT_F32))
+  delta = _delta(d_out, out32, tf32=q.dtype == jnp.float32 and not config.has(kernels.EXACT_F32))
   if not isinstance(d_lse, SymbolicZero):
     delta = delta - d_lse.astype(jnp.float32)
-  grad_layouts = {"d_o": config.layout("o"), "delta": config.layout("lse"),
-                  "dq": config.layout("q"), "dk": config.layout("k"), "dv": config.layout("v")}
+  grad_layouts = _gradient_layouts(config)
   flags = config.flags
   # A bias constant along the keys shifts each row's logits by a constant, which the softmax
   # ignores: its gradient is the lse's cotangent on rows that see a key, in closed form. The
@@ -442,14 +443,20 @@ def _flash_bwd(config, residuals, cotangents):
   closed_form_dbias = want_dbias.value and (bias.ndim == 0 or bias.shape[-1] == 1)
   if want_dbias.value and not closed_form_dbias:
     grad_layouts["dbias"] = config.layout("bias")
-    flags |= prims.HAS_DBIAS
+    flags |= kernels.HAS_DBIAS
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
-  dq, dk, dv, dbias, _ = prims.backward_p.bind(
+  dq, dk, dv, dbias = primitives.backward_p.bind(
       q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), lse, delta,
       d_out.astype(q.dtype), config=bwd_config)
   if closed_form_dbias:
     dbias = _row_shift_gradient(d_lse, lse, bias)
   return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None, None
+
+
+def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:
+  """The backward's d_o, delta, dq, dk and dv: laid out as o, lse, q, k and v."""
+  return {"d_o": config.layout("o"), "delta": config.layout("lse"), "dq": config.layout("q"),
+          "dk": config.layout("k"), "dv": config.layout("v")}
 
 
 def _delta(d_out, out32, *, tf32: bool):
@@ -493,3 +500,82 @@ def _row_shift_gradient(d_lse, lse, bias):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+
+
+# ---------------------------------------------------------------- ring attention
+
+def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale: float | None = None,
+                   is_causal: bool = False, order: Literal["contiguous", "zigzag"] = "contiguous",
+                   precision: str | jax.lax.Precision | None = None, return_residual: bool = False):
+  """Attention over a sequence sharded along the mesh axis ``axis_name``, for use inside
+  :func:`jax.shard_map`: ring attention (K/V blocks travel round the devices of the axis by
+  collective permutes; each device merges its queries' partial results by their logsumexp).
+
+  ``query``, ``key`` and ``value`` are this device's blocks, ``(B, T/n, N, H)`` etc. as for
+  :func:`attention`, of a sequence split over the ``n`` devices of ``axis_name`` (a name or a
+  tuple of names) in ``order``:
+
+  * ``"contiguous"``: device ``i`` holds positions ``[i T/n, (i+1) T/n)``, what
+    ``PartitionSpec(None, axis_name)`` gives;
+  * ``"zigzag"``: the sequence cut into ``2n`` chunks, device ``i`` holds chunks ``i`` and
+    ``2n - 1 - i`` (lay a global array out so with ``x[:, jaxflash.zigzag_order(T, n)]``). Causal
+    attention then costs every device the same; in the contiguous order the last device does
+    ``n`` blocks of work and the first one.
+
+  Returns this device's block of the output (and, with ``return_residual``, of the logsumexp).
+  Differentiable (the backward is a ring too). Bias, mask, sequence lengths, local windows and
+  dropout are not supported yet; with ``jax.jit`` on sequence-sharded operands,
+  :func:`attention` runs this ring itself (``docs/DESIGN.md``, Multi-device).
+  """
+  call = _validate(query, key, value, None, None, scale, is_causal, None, None, None, None,
+                   return_residual, "top_left", precision, 0.0, None, False)
+  if order not in ("contiguous", "zigzag"):
+    raise ValueError(f"jaxflash.ring_attention: order must be 'contiguous' or 'zigzag', got "
+                     f"{order!r}")
+  if call.q.ndim != 4:
+    raise ValueError(f"jaxflash.ring_attention: query must have rank 4 (B, T, N, H), got "
+                     f"{_shape_str(call.q)}")
+  try:
+    jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(f"jaxflash.ring_attention: axis_name must name mesh axes of the enclosing "
+                     f"shard_map, got {axis_name!r}") from e
+  T, S, _ = call.config.seq_dims
+  if order == "zigzag" and (T % 2 or S % 2):
+    raise ValueError(f"jaxflash.ring_attention: order='zigzag' needs even block lengths (two "
+                     f"chunks per device), got query block {T} and key block {S}")
+  why = ring_lib.unsupported(call.config)
+  if why is not None:
+    raise ValueError(f"jaxflash.ring_attention: {why}")
+  ring = ring_lib.Ring(call.config, axis_name, order)
+  if call.is_empty:
+    out = jnp.zeros(call.q.shape, call.q.dtype)
+    lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
+  else:
+    out, lse = _ring(call.q, call.k, call.v, ring)
+    lse = lse.astype(call.q.dtype)
+  return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring(q, k, v, ring: ring_lib.Ring):
+  out32, lse = ring_lib.forward(q, k, v, ring)
+  return out32.astype(q.dtype), lse
+
+
+def _ring_fwd(q, k, v, ring):
+  out32, lse = ring_lib.forward(q, k, v, ring)
+  return (out32.astype(q.dtype), lse), (q, k, v, out32, lse)
+
+
+def _ring_bwd(ring, residuals, cotangents):
+  q, k, v, out32, lse = residuals
+  d_out, d_lse = cotangents
+  config = ring.config
+  delta = _delta(d_out, out32, tf32=q.dtype == jnp.float32 and not config.has(kernels.EXACT_F32))
+  delta = delta - d_lse.astype(jnp.float32)
+  backward = dataclasses.replace(ring, config=config.with_layouts(_gradient_layouts(config)))
+  return ring_lib.backward(q, k, v, lse, delta, d_out.astype(q.dtype), backward)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,135 +1,44 @@
-"""The forward and backward attention primitives.
+"""The forward and backward attention primitives that jaxflash.attention binds.
 
 ``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed) -> (o, lse)
 ``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
-                  -> (dq, dk, dv, dbias, workspace)
+                  -> (dq, dk, dv, dbias)
 
-Absent optional operands are zero-size arrays (flags say which are present);
-``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py).
-``workspace`` is the CUDA backward's scratch (uint8), sized here at abstract
-evaluation by the native module so the handler never allocates.
-Each primitive has an abstract evaluation, a lowering to the FFI target of the
-platform (cuda/ffi/*_handlers), and a batching rule that folds the vmapped axis
-into the kernel's instance space: one custom call per direction, whatever the
-vmap nesting, and no transpose or copy of the operands (except on CUDA for an
-operand vmapped on an axis after its head dim, whose feature axis the CUDA
-lowering makes minor-most; see _cuda_lowering). Sharding rules join these in a
-later stage.
+They describe the whole (global) problem. Each has an abstract evaluation, a
+batching rule that folds the vmapped axis into the kernel's instance space (one
+custom call per direction, whatever the vmap nesting, and no transpose or copy
+of the operands; except on CUDA for an operand vmapped on an axis after its head
+dim, see kernels._cuda_lowering), and a lowering through the partitioning stage
+(jaxflash/partitioning.py), which splits the call over the devices that its
+operands are sharded on and binds the kernel primitives (jaxflash/kernels.py)
+on each device's shard.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import ffi
+from jax._src import dispatch
 from jax.extend import core
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
-from jaxflash import _native
-from jaxflash.layout import (Layout, col_minor_order, drop_col, insert_axis, packed_strides,
-                             shape_of)
-
-# Bits of AttentionParams::flags (cuda/params.h).
-HAS_BIAS = 1 << 0
-HAS_MASK = 1 << 1
-HAS_Q_LENS = 1 << 2
-HAS_KV_LENS = 1 << 3
-BOTTOM_RIGHT = 1 << 4
-HAS_DBIAS = 1 << 6
-OUTPUT_F32 = 1 << 7
-EXACT_F32 = 1 << 8  # float32 inputs: float32-accurate products (3xTF32 on CUDA), not tf32
-DROPOUT = 1 << 9  # attention dropout on P, decided from the seed operand
-UNBOUNDED = -1
-
-FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed")
-BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
-FORWARD_RESULTS = ("o", "lse")
-BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
-# The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
-# axis must be minor-most in memory.
-COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
-ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32}
+from jaxflash import kernels, partitioning
+from jaxflash.kernels import (BACKWARD_INPUTS, FORWARD_INPUTS, KernelConfig, forward_avals,
+                              gradient_avals)
+from jaxflash.layout import drop_col, insert_axis
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Everything static about one attention call; hashable, so a primitive param.
-
-  ``layouts`` maps each present operand/result slot to its layout; slots of
-  absent operands are missing. ``window`` is (left, right) with UNBOUNDED for
-  an open side; is_causal is a right window of 0. ``keep_threshold`` and
-  ``keep_scale`` are the dropout's (with the DROPOUT flag; jaxflash/dropout.py).
-  """
-  instance_sizes: tuple[int, ...]
-  layouts: tuple[tuple[str, Layout], ...]
-  seq_dims: tuple[int, int, int]  # T, S, H
-  scale: float
-  window: tuple[int, int]
-  flags: int
-  keep_threshold: int = 0
-  keep_scale: float = 1.0
-
-  def layout(self, slot: str) -> Layout | None:
-    return dict(self.layouts).get(slot)
-
-  def has(self, flag: int) -> bool:
-    return bool(self.flags & flag)
-
-  def replace(self, **changes) -> KernelConfig:
-    return dataclasses.replace(self, **changes)
-
-  def with_layouts(self, updates: dict[str, Layout]) -> KernelConfig:
-    merged = dict(self.layouts)
-    merged.update(updates)
-    return self.replace(layouts=tuple(sorted(merged.items())))
-
-  def col_minor_orders(self) -> dict[str, tuple[int, ...]]:
-    """Physical axis orders (major to minor) that put the feature axis of each
-    COL_MINOR_SLOTS slot minor-most, for the slots where row-major does not."""
-    orders = {}
-    for slot in COL_MINOR_SLOTS:
-      layout = self.layout(slot)
-      order = col_minor_order(layout) if layout is not None else None
-      if order is not None:
-        orders[slot] = order
-    return orders
-
-  def ffi_attributes(self, orders: dict[str, tuple[int, ...]] | None = None) -> dict:
-    """The FFI attributes; `orders`: physical axis orders of the non-row-major slots."""
-    sizes, strides = packed_strides(self.instance_sizes, dict(self.layouts), orders)
-    return dict(instance_sizes=sizes, strides=strides,
-                dims=np.asarray(self.seq_dims, np.int64), scale=np.float32(self.scale),
-                window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
-                flags=np.int64(self.flags), keep_threshold=np.int64(self.keep_threshold),
-                keep_scale=np.float32(self.keep_scale))
-
-
-def absent(slot: str, dtype) -> jax.Array:
-  """The zero-size placeholder for an absent optional operand."""
-  return jnp.zeros((0,), ABSENT_DTYPES.get(slot, dtype))
+def _eager(primitive):
+  return lambda *args, config: jax.jit(lambda *a: primitive.bind(*a, config=config))(*args)
 
 
 # ---------------------------------------------------------------- forward
 
 forward_p = core.Primitive("jaxflash_fwd")
 forward_p.multiple_results = True
-
-
-def _forward_abstract_eval(q, k, v, bias, mask, q_lens, kv_lens, seed, *, config):
-  del k, v, bias, mask, q_lens, kv_lens, seed
-  o_dtype = jnp.float32 if config.has(OUTPUT_F32) else q.dtype
-  return (jax.core.ShapedArray(shape_of(config.layout("o")), o_dtype),
-          jax.core.ShapedArray(shape_of(config.layout("lse")), jnp.float32))
-
-
-forward_p.def_abstract_eval(_forward_abstract_eval)
-forward_p.def_impl(lambda *args, config: jax.jit(
-    lambda *a: forward_p.bind(*a, config=config))(*args))
+forward_p.def_abstract_eval(lambda q, k, v, bias, *rest, config: forward_avals(q, bias, config))
+forward_p.def_impl(_eager(forward_p))
 
 
 def _new_instance_axis(config: KernelConfig, names: Sequence[str], args, dims):
@@ -147,67 +56,56 @@ def _new_instance_axis(config: KernelConfig, names: Sequence[str], args, dims):
   return config.with_layouts(updates), axis
 
 
-def _forward_batch(args, dims, *, config):
-  config, axis = _new_instance_axis(config, FORWARD_INPUTS, args, dims)
-  # The output follows q's layout (the vmapped axis where q has it, else in
-  # front); lse is the output's layout without the feature axis.
-  o_dim = dims[0] if dims[0] is not None else 0
-  o_layout = insert_axis(config.layout("o"), o_dim, axis)
-  lse_layout = drop_col(o_layout)
-  config = config.with_layouts({"o": o_layout, "lse": lse_layout})
-  return forward_p.bind(*args, config=config), (o_dim, lse_layout.index(axis))
+def _forward_batch(primitive):
+  def rule(args, dims, *, config):
+    config, axis = _new_instance_axis(config, FORWARD_INPUTS, args, dims)
+    # The output follows q's layout (the vmapped axis where q has it, else in
+    # front); lse is the output's layout without the feature axis.
+    o_dim = dims[0] if dims[0] is not None else 0
+    o_layout = insert_axis(config.layout("o"), o_dim, axis)
+    lse_layout = drop_col(o_layout)
+    config = config.with_layouts({"o": o_layout, "lse": lse_layout})
+    return primitive.bind(*args, config=config), (o_dim, lse_layout.index(axis))
+  return rule
 
 
-batching.primitive_batchers[forward_p] = _forward_batch
+# The kernel primitives are bound inside ring attention (jaxflash/ring.py), which a
+# shard_map user may vmap; the rules are the same.
+batching.primitive_batchers[forward_p] = _forward_batch(forward_p)
+batching.primitive_batchers[kernels.forward_kernel_p] = _forward_batch(kernels.forward_kernel_p)
 
 
 # ---------------------------------------------------------------- backward
 
 backward_p = core.Primitive("jaxflash_bwd")
 backward_p.multiple_results = True
+backward_p.def_abstract_eval(
+    lambda q, k, v, bias, *rest, config: gradient_avals(q, k, v, bias, config))
+backward_p.def_impl(_eager(backward_p))
 
 
-DTYPE_CODES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1,
-               jnp.dtype(jnp.bfloat16): 2}  # jaxflash::DType
+def _backward_batch(primitive, extra_results: int):
+  def rule(args, dims, *, config):
+    config, axis = _new_instance_axis(config, BACKWARD_INPUTS, args, dims)
+    # Every gradient is per vmapped instance, also for an operand that was not
+    # batched (JAX sums those afterwards); each lands where its operand had the
+    # vmapped axis, else in front.
+    updates, out_dims = {}, []
+    for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3)):
+      if config.layout(grad) is None:
+        out_dims.append(None)
+        continue
+      d = dims[operand] if dims[operand] is not None else 0
+      updates[grad] = insert_axis(config.layout(grad), d, axis)
+      out_dims.append(d)
+    config = config.with_layouts(updates)
+    return primitive.bind(*args, config=config), tuple(out_dims) + (None,) * extra_results
+  return rule
 
 
-def _backward_abstract_eval(q, k, v, bias, *rest, config):
-  del rest
-  dbias = (jax.core.ShapedArray(shape_of(config.layout("dbias")), bias.dtype)
-           if config.has(HAS_DBIAS) else jax.core.ShapedArray((0,), bias.dtype))
-  T, S, H = config.seq_dims
-  workspace_bytes = _native.backward_workspace_bytes(
-      math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype)])
-  return (jax.core.ShapedArray(shape_of(config.layout("dq")), q.dtype),
-          jax.core.ShapedArray(shape_of(config.layout("dk")), k.dtype),
-          jax.core.ShapedArray(shape_of(config.layout("dv")), v.dtype),
-          dbias,
-          jax.core.ShapedArray((workspace_bytes,), jnp.uint8))
-
-
-backward_p.def_abstract_eval(_backward_abstract_eval)
-backward_p.def_impl(lambda *args, config: jax.jit(
-    lambda *a: backward_p.bind(*a, config=config))(*args))
-
-
-def _backward_batch(args, dims, *, config):
-  config, axis = _new_instance_axis(config, BACKWARD_INPUTS, args, dims)
-  # Every gradient is per vmapped instance, also for an operand that was not
-  # batched (JAX sums those afterwards); each lands where its operand had the
-  # vmapped axis, else in front.
-  updates, out_dims = {}, []
-  for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3)):
-    if config.layout(grad) is None:
-      out_dims.append(None)
-      continue
-    d = dims[operand] if dims[operand] is not None else 0
-    updates[grad] = insert_axis(config.layout(grad), d, axis)
-    out_dims.append(d)
-  config = config.with_layouts(updates)
-  return backward_p.bind(*args, config=config), tuple(out_dims) + (None,)  # workspace
-
-
-batching.primitive_batchers[backward_p] = _backward_batch
+batching.primitive_batchers[backward_p] = _backward_batch(backward_p, 0)
+batching.primitive_batchers[kernels.backward_kernel_p] = _backward_batch(
+    kernels.backward_kernel_p, 1)  # the workspace
 
 
 def _no_higher_derivatives(primals, tangents, *, config):
@@ -217,59 +115,14 @@ def _no_higher_derivatives(primals, tangents, *, config):
       "forward-mode (jax.jvp, jax.jacfwd) and second derivatives are not implemented.")
 
 
-jax.interpreters.ad.primitive_jvps[forward_p] = _no_higher_derivatives
-jax.interpreters.ad.primitive_jvps[backward_p] = _no_higher_derivatives
+ad.primitive_jvps[forward_p] = _no_higher_derivatives
+ad.primitive_jvps[backward_p] = _no_higher_derivatives
 
 
 # ---------------------------------------------------------------- lowering
 
-def _lowering(target: str):
-  """Row-major operands and results (the CPU kernels take any strides)."""
-  def rule(ctx, *args, config):
-    return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())
-  return rule
-
-
-def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
-  """Like _lowering, except that an operand or result whose feature axis is not minor-most
-  (vmapped on an axis after the head dim) is given a physical layout with it minor-most, and
-  its strides follow that layout: XLA then transposes it around the call, on CUDA only and
-  only in that case (the batching rules stay copy-free on every platform)."""
-  def rule(ctx, *args, config):
-    orders = config.col_minor_orders()
-    if not orders:
-      return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())
-    # XLA's layouts are minor to major; None is the default (row-major).
-    minor_to_major = lambda slot: tuple(reversed(orders[slot])) if slot in orders else None
-    return ffi.ffi_lowering(target, operand_layouts=[minor_to_major(s) for s in inputs],
-                            result_layouts=[minor_to_major(s) for s in results])(
-                                ctx, *args, **config.ffi_attributes(orders))
-  return rule
-
-
-def register_lowerings(platform: str) -> None:
-  """Registers the forward and backward lowerings for `platform` ("cpu" or "cuda")."""
-  if platform == "cuda":
-    forward_rule = _cuda_lowering("jaxflash_fwd", FORWARD_INPUTS, FORWARD_RESULTS)
-    backward_rule = _cuda_lowering("jaxflash_bwd", BACKWARD_INPUTS, BACKWARD_RESULTS)
-  else:
-    forward_rule, backward_rule = _lowering("jaxflash_fwd"), _lowering("jaxflash_bwd")
-  mlir.register_lowering(forward_p, forward_rule, platform=platform)
-  mlir.register_lowering(backward_p, backward_rule, platform=platform)
-
-
-def _register() -> tuple[str, ...]:
-  """Registers the FFI targets and lowerings this build has; returns the platforms."""
-  platforms = []
-  for platform, xla_platform, targets in (("cpu", "cpu", _native.cpu_targets()),
-                                          ("cuda", "CUDA", _native.cuda_targets())):
-    if not targets:
-      continue
-    for name, capsule in targets.items():
-      ffi.register_ffi_target(name, capsule, platform=xla_platform)
-    register_lowerings(platform)
-    platforms.append(platform)
-  return tuple(platforms)
-
-
-PLATFORMS = _register()
+mlir.register_lowering(forward_p, mlir.lower_fun(partitioning.forward, multiple_results=True))
+mlir.register_lowering(backward_p, mlir.lower_fun(partitioning.backward, multiple_results=True))
+# The partitioning stage needs the devices of the computation while lowering (as custom
+# partitioning does), to build its mesh.
+dispatch.prim_requires_devices_during_lowering.update((forward_p, backward_p))

@@ -352,8 +352,8 @@ def test_strides_follow_a_col_minor_physical_order():
 def _cuda_custom_calls(fn, *operands):
   """The jaxflash custom calls of fn lowered for CUDA (lowering only: no GPU needed), with the
   CUDA lowering rules registered as a CUDA build registers them."""
-  if "cuda" not in jaxflash.primitives.PLATFORMS:
-    jaxflash.primitives.register_lowerings("cuda")  # a CPU-only build lowers for CPU only
+  if "cuda" not in jaxflash.kernels.PLATFORMS:
+    jaxflash.kernels.register_lowerings("cuda")  # a CPU-only build lowers for CPU only
   text = jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
   return [line for line in text.splitlines() if re.search(r"custom_call @jaxflash_(fwd|bwd)", line)]
 

@@ -1,0 +1,284 @@
+"""Ring attention: attention over a sequence sharded along mesh axes.
+
+Each of the n devices on the ring holds a block of the queries and a block of
+the keys/values. The K/V blocks travel round the ring by collective permutes
+(the next block is sent while the current one is computed on), and each device
+merges the partial results of its queries by their logsumexp:
+
+  lse = log(e^lse_a + e^lse_b),  o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b
+
+so that no device ever holds more than two K/V blocks, and nothing T x S. The
+backward runs the same ring with the merged lse and delta = rowsum(dO o O):
+dQ accumulates where it is, and the dK/dV of a block travel with the block and
+are sent home at the end.
+
+Causal attention (top-left, T == S) needs only whole blocks: a key block before
+the query block is seen whole, the diagonal one causally, a later one not at
+all. In the contiguous order, device i would then compute i + 1 blocks and
+device n - 1 n of them; the zig-zag order balances them: the sequence is cut
+into 2n chunks and device i holds chunks i and 2n - 1 - i, so that after the
+diagonal step every device computes exactly half a block pair: all its queries
+against the first chunk of an earlier device's keys, or its later chunk of
+queries against all of a later device's keys.
+
+Used two ways: jaxflash.ring_attention inside shard_map (the caller chooses the
+order), and the partitioning stage when jit's operands are sharded along the
+sequence (it permutes the contiguous shards into zig-zag order and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import kernels
+from jaxflash.kernels import KernelConfig, UNBOUNDED
+from jaxflash.layout import COL, ROW, Layout
+
+Order = Literal["contiguous", "zigzag"]
+AxisName = str | tuple[str, ...]
+
+# The sequence each slot's rows run along.
+QUERY_ROWS = ("q", "o", "lse", "d_o", "delta", "dq")
+KEY_ROWS = ("k", "v", "dk", "dv")
+
+
+def unsupported(config: KernelConfig) -> str | None:
+  """Why ring attention cannot compute this call, or None if it can."""
+  T, S, _ = config.seq_dims
+  for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("q_lens", "query_seq_lengths"),
+                     ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout")):
+    if config.layout(slot) is not None:
+      return f"{what} is not supported yet"
+  left, right = config.window
+  if left != UNBOUNDED or right not in (UNBOUNDED, 0):
+    return "local_window_size is not supported yet"
+  if right == 0 and T != S:
+    return f"causal attention needs equal query and key lengths, got {T} and {S}"
+  return None
+
+
+def _row_axis(layout: Layout) -> int:
+  return next(i for i, (role, _) in enumerate(layout) if role == ROW)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Query rows [q0, q0 + tq) against key rows [k0, k0 + tk) of the local blocks."""
+  q0: int
+  tq: int
+  k0: int
+  tk: int
+  causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """One device's view of the ring: the local config (rows T, S of the local blocks)."""
+  config: KernelConfig
+  axis_name: AxisName
+  order: Order
+
+  @property
+  def size(self) -> int:
+    return lax.axis_size(self.axis_name)
+
+  @property
+  def causal(self) -> bool:
+    return self.config.window[1] == 0
+
+  def steps(self) -> list[tuple[Task | None, Task | None]]:
+    """Per ring step: the task when the visiting key block comes from an earlier device, and
+    when from a later one (the same task for both where it does not matter; None: no work)."""
+    T, S, _ = self.config.seq_dims
+    whole = Task(0, T, 0, S, causal=False)
+    if not self.causal:
+      return [(whole, whole)] * self.size
+    diagonal = Task(0, T, 0, S, causal=True)
+    if self.order == "contiguous":
+      return [(diagonal, diagonal)] + [(whole, None)] * (self.size - 1)
+    earlier = Task(0, T, 0, S // 2, causal=False)      # all queries, the keys' first chunk
+    later = Task(T // 2, T // 2, 0, S, causal=False)   # the later query chunk, all keys
+    return [(diagonal, diagonal)] + [(earlier, later)] * (self.size - 1)
+
+  def task_config(self, task: Task, config: KernelConfig | None = None) -> KernelConfig:
+    config = config or self.config
+    layouts = {}
+    for slot, layout in config.layouts:
+      rows = task.tq if slot in QUERY_ROWS else task.tk
+      layouts[slot] = tuple((role, rows if role == ROW else size) for role, size in layout)
+    return config.replace(seq_dims=(task.tq, task.tk, config.seq_dims[2]),
+                          window=(UNBOUNDED, 0 if task.causal else UNBOUNDED)).with_layouts(layouts)
+
+  def shift(self, tree):
+    """Sends to the next device on the ring."""
+    n = self.size
+    return lax.ppermute(tree, self.axis_name, [(j, (j + 1) % n) for j in range(n)])
+
+  def run(self, step: int, branches: tuple[Task | None, Task | None],
+          compute: Callable[..., tuple], idle: Callable[[], tuple], *operands):
+    """compute(task, *operands) for this device's task at `step`; idle() where it has none."""
+    earlier, later = branches
+    fn = lambda task: ((lambda *a: compute(task, *a)) if task is not None else
+                       (lambda *a: _varying_like(idle(), a[0])))
+    if earlier == later:
+      return fn(earlier)(*operands)
+    i = lax.axis_index(self.axis_name)
+    src_is_earlier = (i - step) % self.size < i
+    return lax.cond(src_is_earlier, fn(earlier), fn(later), *operands)
+
+
+def _varying_like(tree, like):
+  """tree's arrays typed as varying over the manual mesh axes (shard_map's) that `like` varies
+  over: the branches of a lax.cond must agree, and zeros made inside one vary over none."""
+  mat = getattr(jax.typeof(like), "manual_axis_type", None)
+  axes = tuple(sorted(mat.varying)) if mat is not None else ()
+  if not axes:
+    return tree
+  return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
+
+
+def _rows(x, layout: Layout, start: int, size: int):
+  return lax.slice_in_dim(x, start, start + size, axis=_row_axis(layout))
+
+
+def _pad_rows(x, layout: Layout, start: int, total: int, value):
+  """x's rows placed at [start, start + rows) of `total` rows, the rest `value`."""
+  axis = _row_axis(layout)
+  config = [(0, 0, 0)] * x.ndim
+  config[axis] = (start, total - start - x.shape[axis], 0)
+  return lax.pad(x, jnp.asarray(value, x.dtype), config)
+
+
+def _absent_operands(dtype):
+  return tuple(kernels.absent(slot, dtype) for slot in ("bias", "mask", "q_lens", "kv_lens", "seed"))
+
+
+def _merge(acc, part, o_layout: Layout):
+  """The logsumexp merge of two partial (o, lse) of the same queries."""
+  (o_a, lse_a), (o_b, lse_b) = acc, part
+  lse = jnp.logaddexp(lse_a, lse_b)
+  base = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows that see no key yet stay 0 / -inf
+  col = next(i for i, (role, _) in enumerate(o_layout) if role == COL)
+  weight = lambda l: jnp.expand_dims(jnp.exp(l - base), col)
+  return o_a * weight(lse_a) + o_b * weight(lse_b), lse
+
+
+def forward(q, k, v, ring: Ring):
+  """This device's (o in float32, lse) over the whole ring."""
+  config = ring.config.replace(flags=ring.config.flags | kernels.OUTPUT_F32)
+  T = config.seq_dims[0]
+  o_layout, lse_layout = config.layout("o"), config.layout("lse")
+
+  def compute(task: Task, k_block, v_block):
+    q_rows = lambda x, slot: _rows(x, config.layout(slot), task.q0, task.tq)
+    k_rows = lambda x, slot: _rows(x, config.layout(slot), task.k0, task.tk)
+    o, lse = kernels.forward_kernel_p.bind(
+        q_rows(q, "q"), k_rows(k_block, "k"), k_rows(v_block, "v"), *_absent_operands(q.dtype),
+        config=ring.task_config(task, config))
+    return (_pad_rows(o, o_layout, task.q0, T, 0.0),
+            _pad_rows(lse, lse_layout, task.q0, T, -jnp.inf))
+
+  idle = lambda: (_zeros(o_layout), jnp.full(_shape(lse_layout), -jnp.inf, jnp.float32))
+  acc = idle()
+  kv = (k, v)
+  for step, branches in enumerate(ring.steps()):
+    block = kv
+    if step + 1 < ring.size:
+      kv = ring.shift(kv)  # in flight while this step computes
+    acc = _merge(acc, ring.run(step, branches, compute, idle, *block), o_layout)
+  return acc
+
+
+def _shape(layout: Layout) -> tuple[int, ...]:
+  return tuple(size for _, size in layout)
+
+
+def _zeros(layout: Layout):
+  return jnp.zeros(_shape(layout), jnp.float32)
+
+
+def backward(q, k, v, lse, delta, d_o, ring: Ring):
+  """(dq, dk, dv) of this device's blocks over the whole ring; ring.config is the backward's."""
+  config = ring.config
+  T, S, _ = config.seq_dims
+
+  def compute(task: Task, k_block, v_block):
+    q_rows = lambda x, slot: _rows(x, config.layout(slot), task.q0, task.tq)
+    k_rows = lambda x, slot: _rows(x, config.layout(slot), task.k0, task.tk)
+    dq, dk, dv, _dbias, _workspace = kernels.backward_kernel_p.bind(
+        q_rows(q, "q"), k_rows(k_block, "k"), k_rows(v_block, "v"), *_absent_operands(q.dtype),
+        q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
+        config=ring.task_config(task))
+    f32 = lambda x: x.astype(jnp.float32)
+    return (_pad_rows(f32(dq), config.layout("dq"), task.q0, T, 0.0),
+            _pad_rows(f32(dk), config.layout("dk"), task.k0, S, 0.0),
+            _pad_rows(f32(dv), config.layout("dv"), task.k0, S, 0.0))
+
+  idle = lambda: tuple(_zeros(config.layout(slot)) for slot in ("dq", "dk", "dv"))
+  dq = _zeros(config.layout("dq"))
+  kv = (k, v)
+  dkv = (_zeros(config.layout("dk")), _zeros(config.layout("dv")))
+  for step, branches in enumerate(ring.steps()):
+    block = kv
+    if step + 1 < ring.size:
+      kv = ring.shift(kv)
+    dq_part, dk_part, dv_part = ring.run(step, branches, compute, idle, *block)
+    dq = dq + dq_part
+    # A block's dK/dV travel with it, one device behind; after the last step they are one
+    # device short of home, so every step sends them on.
+    dkv = ring.shift((dkv[0] + dk_part, dkv[1] + dv_part))
+  return tuple(x.astype(q.dtype) for x in (dq, *dkv))
+
+
+# ---------------------------------------------------------------- zig-zag order
+
+def _zigzag_destinations(n: int) -> tuple[list[int], list[int]]:
+  """Where chunks 2i and 2i + 1 (device i's halves in the contiguous order) go."""
+  home = lambda m: m if m < n else 2 * n - 1 - m
+  return [home(2 * i) for i in range(n)], [home(2 * i + 1) for i in range(n)]
+
+
+def to_zigzag(x, row_axis: int, axis_name: AxisName):
+  """A contiguous shard (device i holds chunks 2i, 2i + 1 of 2n) to the zig-zag order's
+  (device i holds chunks i and 2n - 1 - i): two collective permutes of half a shard."""
+  n = lax.axis_size(axis_name)
+  first_to, second_to = _zigzag_destinations(n)
+  first, second = jnp.split(x, 2, axis=row_axis)
+  got_first = lax.ppermute(first, axis_name, list(enumerate(first_to)))
+  got_second = lax.ppermute(second, axis_name, list(enumerate(second_to)))
+  # Device d's chunk d is an even chunk (a first half) when d is even.
+  even = lax.axis_index(axis_name) % 2 == 0
+  lo = jnp.where(even, got_first, got_second)
+  hi = jnp.where(even, got_second, got_first)
+  return jnp.concatenate([lo, hi], axis=row_axis)
+
+
+def from_zigzag(x, row_axis: int, axis_name: AxisName):
+  """The inverse of to_zigzag."""
+  n = lax.axis_size(axis_name)
+  first_to, second_to = _zigzag_destinations(n)
+  lo, hi = jnp.split(x, 2, axis=row_axis)
+  even = lax.axis_index(axis_name) % 2 == 0
+  send_first = jnp.where(even, lo, hi)   # the chunk that came as a first half
+  send_second = jnp.where(even, hi, lo)
+  inverse = lambda dest: [(d, i) for i, d in enumerate(dest)]
+  first = lax.ppermute(send_first, axis_name, inverse(first_to))
+  second = lax.ppermute(send_second, axis_name, inverse(second_to))
+  return jnp.concatenate([first, second], axis=row_axis)
+
+
+def zigzag_order(seq_len: int, num_shards: int):
+  """The permutation of sequence positions that lays a sequence out in the zig-zag order over
+  `num_shards` devices: ``x[:, zigzag_order(T, n)]`` sharded contiguously gives device i the
+  chunks i and 2n - 1 - i. ``jnp.argsort`` of it undoes it."""
+  if seq_len % (2 * num_shards):
+    raise ValueError(f"jaxflash.zigzag_order: seq_len must be a multiple of 2 * num_shards = "
+                     f"{2 * num_shards}, got {seq_len}")
+  c = seq_len // (2 * num_shards)
+  chunks = [chunk for i in range(num_shards) for chunk in (i, 2 * num_shards - 1 - i)]
+  return jnp.concatenate([jnp.arange(m * c, (m + 1) * c) for m in chunks])
