@@ -38,6 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # would silently become 64-bit and change what the tests exercise.
 jax.config.update("jax_enable_x64", False)
 
+# tests/test_sharding.py runs on a mesh of 8 host devices (the GPU machine's CPU has them too;
+# every other test uses the first device only).
+jax.config.update("jax_num_cpu_devices", 8)
+
 BACKENDS = ("cpu", "cuda")
 
 

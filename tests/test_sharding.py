@@ -1,0 +1,277 @@
+"""jaxflash under jit over a device mesh, and ring attention inside shard_map.
+
+The CPU runs these on 8 devices (conftest.py asks JAX for 8 host devices); the GPU machine on
+the GPUs it has. Meshes are (n,) over axis "x" and (2, n/2) over ("data", "model"). Every case
+checks that the sharded call's outputs and gradients equal the single-device call's (to one
+rounding; the ring's merge and partial-gradient sums add in another order, so its cases are
+held to the accuracy rule against the reference instead), and, for sharding over batch and
+heads, that the compiled program gathers or redistributes none of q, k and v: no all-gather,
+no all-to-all (a psum of a partial gradient is allowed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxflash
+import reference
+from reference import assert_close, assert_same_kernel
+
+H = 32
+
+
+def _devices(backend: str):
+  devices = jax.devices(backend)
+  if len(devices) < 2:
+    pytest.skip(f"needs at least 2 {backend} devices, JAX sees {len(devices)}")
+  return devices
+
+
+def make_mesh(backend: str, two_d: bool, axis_type=AxisType.Auto):
+  devices = _devices(backend)
+  n = len(devices) if len(devices) % 2 == 0 else len(devices) - 1
+  shape, names = ((2, n // 2), ("data", "model")) if two_d else ((n,), ("x",))
+  return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(shape), names,
+                           axis_types=(axis_type,) * len(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCase:
+  """Shapes (B, T, S, N, K), the mesh, each operand's PartitionSpec and attention options."""
+  two_d: bool
+  specs: dict  # operand name -> PartitionSpec; absent names are replicated
+  B: int = 8
+  T: int = 64
+  S: int = 64
+  N: int = 4
+  K: int = 2
+  bias: tuple | None = None
+  mask: tuple | None = None
+  lengths: bool = False
+  options: tuple = ()  # attention keyword arguments, as (name, value) pairs
+  local: bool = True   # batch/heads only: no all-gather or all-to-all
+  ring: bool = False   # the sequence is sharded and ring attention computes it
+
+  def static(self) -> dict:
+    return dict(self.options)
+
+
+CASES = {
+    "batch": ShardCase(False, dict(query=P("x"), key=P("x"), value=P("x")),
+                       options=(("is_causal", True),)),
+    "heads_with_bias": ShardCase(False, dict(query=P(None, None, "x"), key=P(None, None, "x"),
+                                             value=P(None, None, "x"), bias=P(None, "x")),
+                                 B=2, N=8, K=8, T=37, S=45, bias=(1, 8, 37, 45)),
+    "batch_and_gqa_heads": ShardCase(True, dict(query=P("data", None, "model"),
+                                                key=P("data", None, "model"),
+                                                value=P("data", None, "model")),
+                                     B=4, N=16, K=8, T=45, S=45,
+                                     options=(("local_window_size", (7, 3)),)),
+    # K = 1: each device runs its query heads against the one K/V head, whose gradient is the
+    # psum of the devices' partial sums.
+    "mqa_heads": ShardCase(False, dict(query=P(None, None, "x")), B=2, N=8, K=1, T=37, S=29),
+    # The bias is shared by the batch (replicated): its gradient is a psum over "x".
+    "batch_broadcast_bias_mask_lengths": ShardCase(
+        False, dict(query=P("x"), key=P("x"), value=P("x"), mask=P("x"),
+                    query_seq_lengths=P("x"), key_value_seq_lengths=P("x")),
+        T=37, S=45, bias=(1, 4, 37, 45), mask=(8, 1, 37, 45), lengths=True),
+    "batch_dropout": ShardCase(False, dict(query=P("x"), key=P("x"), value=P("x")), T=37, S=37,
+                               options=(("dropout_rate", 0.2), ("is_causal", True))),
+    "sequence_causal_gqa": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                                 value=P(None, "x")),
+                                     B=2, options=(("is_causal", True),), local=False, ring=True),
+    "sequence_cross": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                            value=P(None, "x")),
+                                B=2, T=64, S=32, local=False, ring=True),
+    "batch_and_sequence": ShardCase(True, dict(query=P("data", "model"), key=P("data", "model"),
+                                               value=P("data", "model")),
+                                    B=4, options=(("is_causal", True),), local=False, ring=True),
+    "sequence_and_heads": ShardCase(True, dict(query=P(None, "data", "model"),
+                                               key=P(None, "data", "model"),
+                                               value=P(None, "data", "model")),
+                                    B=2, N=8, K=4, options=(("is_causal", True),), local=False,
+                                    ring=True),
+    # A window is not a ring case yet: XLA gathers the sequence, the answer stays right.
+    "sequence_window_gathered": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                                      value=P(None, "x")),
+                                          B=2, options=(("local_window_size", (5, 0)),),
+                                          local=False),
+}
+
+
+def _inputs(case: ShardCase, dtype, device):
+  def make():
+    key = jax.random.key(0)
+    shapes = dict(query=(case.B, case.T, case.N, H), key=(case.B, case.S, case.K, H),
+                  value=(case.B, case.S, case.K, H), bias=case.bias)
+    inputs = reference.random_inputs(key, shapes, dtype)
+    inputs["mask"] = (reference.random_mask(jax.random.fold_in(key, 1), case.mask)
+                      if case.mask else None)
+    lengths = lambda n, salt: (jax.random.randint(jax.random.fold_in(key, salt), (case.B,), 1, n + 1)
+                               if case.lengths else None)
+    inputs["query_seq_lengths"] = lengths(case.T, 2)
+    inputs["key_value_seq_lengths"] = lengths(case.S, 3)
+    inputs["bias"] = inputs.get("bias")
+    inputs["dropout_rng"] = (jax.random.key(7) if dict(case.options).get("dropout_rate") else None)
+    cotangent = jax.random.normal(jax.random.fold_in(key, 4), shapes["query"], jnp.float32
+                                  ).astype(dtype)
+    return inputs, cotangent
+  return reference.made_on_cpu(device, make)
+
+
+def _shard(inputs, cotangent, case: ShardCase, mesh):
+  """The inputs placed on the mesh by the case's specs (the rest, and the cotangent,
+  replicated)."""
+  place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+  return ({name: place(x, case.specs.get(name, P())) for name, x in inputs.items()},
+          place(cotangent, P()))
+
+
+def _grad_fn(case: ShardCase):
+  """jit(vjp) of jaxflash.attention, for HLO inspection."""
+  def run(inputs, cotangent):
+    differentiable = {n: inputs[n] for n in reference.DIFFERENTIABLE if inputs.get(n) is not None}
+    fixed = {n: v for n, v in inputs.items() if n not in differentiable}
+    out, vjp = jax.vjp(lambda d: jaxflash.attention(**d, **fixed, **case.static()), differentiable)
+    return out, vjp(cotangent)
+  return run
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_equals_single_device(name, dtype, backend, device):
+  case = CASES[name]
+  mesh = make_mesh(backend, case.two_d)
+  inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
+  static = case.static()
+
+  single, single_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+  sharded_inputs, sharded_cotangent = _shard(inputs, cotangent, case, mesh)
+  ours, ours_grads = reference.forward_and_grads(jaxflash.attention, sharded_inputs,
+                                                 sharded_cotangent, **static)
+
+  if case.ring:
+    # Against the reference: the ring adds its partial results in another order.
+    (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
+        inputs, cotangent, backend=backend, **static)
+    tolerance = reference.compute_name(backend, dtype)
+    assert_close(ours, ref, base, tolerance, "out")
+    for g in ref_grads:
+      assert_close(ours_grads[g], ref_grads[g], base_grads[g], tolerance, g)
+  else:
+    assert_same_kernel(ours, single, dtype, "out")
+    for g in single_grads:
+      assert_same_kernel(ours_grads[g], single_grads[g], dtype, g)
+
+  # The output keeps the query's sharding.
+  assert not (case.local or case.ring) or ours.sharding.is_equivalent_to(sharded_inputs["query"].sharding, ours.ndim), (
+      f"output sharding {ours.sharding}, query's {sharded_inputs['query'].sharding}")
+
+  hlo = jax.jit(_grad_fn(case)).lower(sharded_inputs, sharded_cotangent).compile().as_text()
+  if case.local or case.ring:
+    for collective in ("all-gather", "all-to-all"):
+      assert collective not in hlo, f"the compiled forward+backward has an {collective}"
+  if case.ring:
+    assert "collective-permute" in hlo, "ring attention without collective permutes"
+
+
+# ---------------------------------------------------------------- ring_attention in shard_map
+
+RING_CASES = {
+    "causal_zigzag": dict(is_causal=True, order="zigzag"),
+    "causal_contiguous": dict(is_causal=True, order="contiguous"),
+    "full_zigzag": dict(is_causal=False, order="zigzag"),
+    "full_contiguous": dict(is_causal=False, order="contiguous"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_ring_attention_in_shard_map(name, dtype, backend, device):
+  options = RING_CASES[name]
+  mesh = make_mesh(backend, two_d=False)
+  n = mesh.shape["x"]
+  B, T, N, K = 2, 16 * n, 4, 2
+  case = ShardCase(False, {}, B=B, T=T, S=T, N=N, K=K)
+  inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
+  order = (jaxflash.zigzag_order(T, n) if options["order"] == "zigzag" else jnp.arange(T))
+  undo = jnp.argsort(order)
+  spec = P(None, "x")
+  ring = jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="x", **options),
+                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+  def attention(query, key, value, **unused):
+    del unused
+    return ring(query[:, order], key[:, order], value[:, order])[:, undo]
+
+  ours, ours_grads = reference.forward_and_grads(attention, *_shard(inputs, cotangent, case, mesh))
+  static = dict(is_causal=options["is_causal"])
+  (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
+      inputs, cotangent, backend=backend, **static)
+  tolerance = reference.compute_name(backend, dtype)
+  assert_close(ours, ref, base, tolerance, "out")
+  for g in ref_grads:
+    assert_close(ours_grads[g], ref_grads[g], base_grads[g], tolerance, g)
+
+
+def test_zigzag_order_places_chunks():
+  order = np.asarray(jaxflash.zigzag_order(16, 4))  # chunks of 2
+  assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+  with pytest.raises(ValueError, match="seq_len must be a multiple of 2 \\* num_shards = 8"):
+    jaxflash.zigzag_order(12, 4)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(axis_name="nope"), "axis_name must name mesh axes"),
+    (dict(axis_name="x", order="striped"), "order must be 'contiguous' or 'zigzag'"),
+])
+def test_ring_attention_errors(kwargs, match):
+  mesh = make_mesh("cpu", two_d=False)
+  x = jnp.ones((1, 8 * mesh.shape["x"], 2, 8))
+  fn = jax.shard_map(functools.partial(jaxflash.ring_attention, **kwargs), mesh=mesh,
+                     in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"))
+  with pytest.raises(ValueError, match=match):
+    jax.jit(fn).lower(x, x, x)
+
+
+def test_ring_attention_refuses_what_it_cannot_compute():
+  mesh = make_mesh("cpu", two_d=False)
+  x = jnp.ones((1, 8 * mesh.shape["x"], 2, 8))
+  with pytest.raises(TypeError):  # ring_attention has no local_window_size argument
+    jaxflash.ring_attention(x, x, x, axis_name="x", local_window_size=3)
+  fn = jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="x", is_causal=True),
+                     mesh=mesh, in_specs=(P(None, "x"), P(None, "x"), P(None, "x")),
+                     out_specs=P(None, "x"))
+  y = jnp.ones((1, 4 * mesh.shape["x"], 2, 8))
+  with pytest.raises(ValueError, match="causal attention needs equal query and key lengths"):
+    jax.jit(fn).lower(x, y, y)
+
+
+def test_explicit_mesh_and_gspmd(backend, device):
+  """A mesh of explicit axes, and (where this JAX still has it) the GSPMD partitioner."""
+  case = CASES["batch_and_gqa_heads"]
+  inputs, cotangent = _inputs(case, jnp.float32, device)
+  single, _ = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **case.static())
+  mesh = make_mesh(backend, True, AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    out, _ = reference.forward_and_grads(jaxflash.attention, *_shard(inputs, cotangent, case, mesh),
+                                         **case.static())
+  assert_same_kernel(out, single, jnp.float32, "out (explicit mesh)")
+  try:
+    jax.config.update("jax_use_shardy_partitioner", False)
+  except (AttributeError, ValueError):
+    return  # this JAX has Shardy only
+  try:
+    mesh = make_mesh(backend, True)
+    out, _ = reference.forward_and_grads(jaxflash.attention, *_shard(inputs, cotangent, case, mesh),
+                                         **case.static())
+    assert_same_kernel(out, single, jnp.float32, "out (GSPMD)")
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", True)
