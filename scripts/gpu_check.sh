@@ -6,6 +6,8 @@
 #   scripts/gpu_check.sh tests   build, native self-tests, the GPU test suite
 #   scripts/gpu_check.sh bench   build, compute-sanitizer, the benchmark protocol
 #   scripts/gpu_check.sh cli     build, `python -m jaxflash --plot`, the dropout benchmark
+#   scripts/gpu_check.sh multi   build, the sharding tests on the GPUs, the multi-GPU
+#                                benchmark (on a machine of several GPUs: nvidia-h200-x2)
 #   scripts/gpu_check.sh full    all of it (about 18 minutes on an H100)
 #   scripts/gpu_check.sh quick   build and the GPU test suite only
 #
@@ -14,12 +16,14 @@
 # run in CI (.ci/run), so here pytest selects the CUDA ones (-k cuda).
 set -uo pipefail
 MODE=${1:-full}
-case "$MODE" in tests|bench|cli|full|quick) ;; *) echo "usage: $0 [tests|bench|cli|full|quick]"; exit 2 ;; esac
+case "$MODE" in tests|bench|cli|multi|full|quick) ;; *) echo "usage: $0 [tests|bench|cli|multi|full|quick]"; exit 2 ;; esac
 want() { [ "$MODE" = full ] || [[ " $* " == *" $MODE "* ]]; }
 OUT=${OUT:-/tmp/jaxflash_out}
 mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the shared multi-GPU hosts (the device tool's KINDS.md).
+export NCCL_NVLS_ENABLE=0
 declare -A STATUS
 FAILED=0
 
@@ -84,6 +88,11 @@ if want bench; then
   step bench bench.log 300 python3 -m jaxflash.bench --dtypes bfloat16 --head-dims 64,128 \
     --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
 fi
+if want multi; then
+  step sharding sharding.log 300 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -k cuda \
+    "$REPO/tests/test_sharding.py"
+  step multi_bench multi_bench.log 400 python3 "$REPO/benchmarks/multi_device.py"
+fi
 if want cli; then
   # The command line at its defaults (sized for about a minute), with its plots.
   step main_job main_job.log 200 python3 -m jaxflash --plot "$OUT/plots"
@@ -95,8 +104,10 @@ echo "==================== summary ($MODE) ===================="
 cat "$OUT/device.txt"
 for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done
 [ -f "$OUT/pytest.log" ] && grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
+[ -f "$OUT/sharding.log" ] && grep -E "passed|failed" "$OUT/sharding.log" | tail -n 1
 for f in "$OUT"/*selftest.log; do [ -f "$f" ] && printf '%-18s %s\n' "$(basename "$f" .log)" "$(grep -E "passed, .* failed" "$f")"; done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/dropout.log" ] && cat "$OUT/dropout.log"
+[ -f "$OUT/multi_bench.log" ] && cat "$OUT/multi_bench.log"
 exit $FAILED
