@@ -254,61 +254,51 @@ def _shardings(plan: Plan, slots: Sequence[str]) -> tuple[NamedSharding, ...]:
   return tuple(plan.sharding(slot) for slot in slots)
 
 
-def _partition_forward(config, mesh, arg_shapes, result_shape):
-  del result_shape
-  plan = Plan(config, mesh, FORWARD_INPUTS, arg_shapes)
-  local, ring = plan.local_config(), plan.ring
+def _partition(inputs: Sequence[str], results: Sequence[str], local_call, ring_call):
+  """The partition callback: the Plan's shardings, and the per-device program that runs
+  local_call(*operands, local config), or ring_call(ring, *operands) on a sharded sequence."""
+  def partition(config, mesh, arg_shapes, result_shape):
+    del result_shape
+    plan = Plan(config, mesh, inputs, arg_shapes)
+    local, ring = plan.local_config(), plan.ring
 
-  def run(*args):
-    if ring is None:
-      outs = kernels.forward_kernel_p.bind(*args, config=local)
-    else:
-      outs = _ring_forward(ring, *args[:3])
-    return tuple(plan.finish(slot, x) for slot, x in zip(FORWARD_RESULTS, outs))
+    def run(*args):
+      outs = local_call(*args, local) if ring is None else ring_call(ring, *args)
+      return tuple(plan.finish(slot, x) for slot, x in zip(results, outs))
 
-  return mesh, run, _shardings(plan, FORWARD_RESULTS), _shardings(plan, FORWARD_INPUTS)
-
-
-def _partition_backward(config, mesh, arg_shapes, result_shape):
-  del result_shape
-  plan = Plan(config, mesh, BACKWARD_INPUTS, arg_shapes)
-  local, ring = plan.local_config(), plan.ring
-
-  def run(*args):
-    if ring is None:
-      *grads, _workspace = kernels.backward_kernel_p.bind(*args, config=local)
-    else:
-      grads = _ring_backward(ring, *args)
-    return tuple(plan.finish(slot, x) for slot, x in zip(GRADIENTS, grads))
-
-  return mesh, run, _shardings(plan, GRADIENTS), _shardings(plan, BACKWARD_INPUTS)
+    return mesh, run, _shardings(plan, results), _shardings(plan, inputs)
+  return partition
 
 
 def _row_axis(config: KernelConfig, slot: str) -> int:
   return next(i for i, (role, _) in enumerate(config.layout(slot)) if role == ROW)
 
 
-def _ring_forward(ring: ring_lib.Ring, q, k, v):
+def _reorder(ring: ring_lib.Ring, x, slot: str, permute):
+  """x (of `slot`) through permute (to_zigzag or from_zigzag) when the ring runs in zig-zag
+  order; the contiguous order needs none."""
+  if ring.order != "zigzag":
+    return x
+  return permute(x, _row_axis(ring.config, slot), ring.axis_name)
+
+
+def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
   """Ring attention on contiguous sequence shards (permuted to zig-zag order and back)."""
-  config = ring.config
-  reorder = lambda x, slot, f: f(x, _row_axis(config, slot), ring.axis_name) if (
-      ring.order == "zigzag") else x
-  q, k, v = (reorder(x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
+  del absent  # bias, mask, q_lens, kv_lens, seed: ring_lib.unsupported
+  q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
   o32, lse = ring_lib.forward(q, k, v, ring)
-  o = o32 if config.has(kernels.OUTPUT_F32) else o32.astype(q.dtype)
-  return reorder(o, "o", ring_lib.from_zigzag), reorder(lse, "lse", ring_lib.from_zigzag)
+  o = o32 if ring.config.has(kernels.OUTPUT_F32) else o32.astype(q.dtype)
+  return (_reorder(ring, o, "o", ring_lib.from_zigzag),
+          _reorder(ring, lse, "lse", ring_lib.from_zigzag))
 
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o):
   del bias, mask, q_lens, kv_lens, seed  # absent: ring_lib.unsupported
-  config = ring.config
-  reorder = lambda x, slot, f: f(x, _row_axis(config, slot), ring.axis_name) if (
-      ring.order == "zigzag") else x
-  operands = [reorder(x, slot, ring_lib.to_zigzag) for x, slot in
+  operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
-  dq, dk, dv = ring_lib.backward(*operands, ring)
-  return (reorder(dq, "dq", ring_lib.from_zigzag), reorder(dk, "dk", ring_lib.from_zigzag),
-          reorder(dv, "dv", ring_lib.from_zigzag), kernels.absent("dbias", q.dtype))
+  grads = ring_lib.backward(*operands, ring)
+  return tuple(_reorder(ring, g, slot, ring_lib.from_zigzag)
+               for g, slot in zip(grads, ("dq", "dk", "dv"))) + (kernels.absent("dbias", q.dtype),)
 
 
 def _infer(slots: Sequence[str], results: Sequence[str]):
@@ -332,10 +322,10 @@ def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o, confi
 
 
 forward = custom_partitioning(_forward, static_argnums=(len(FORWARD_INPUTS),))
-forward.def_partition(partition=_partition_forward,
+forward.def_partition(partition=_partition(FORWARD_INPUTS, FORWARD_RESULTS, _forward, _ring_forward),
                       infer_sharding_from_operands=_infer(FORWARD_INPUTS, FORWARD_RESULTS),
                       sharding_rule=_sharding_rule(FORWARD_INPUTS, FORWARD_RESULTS))
 backward = custom_partitioning(_backward, static_argnums=(len(BACKWARD_INPUTS),))
-backward.def_partition(partition=_partition_backward,
+backward.def_partition(partition=_partition(BACKWARD_INPUTS, GRADIENTS, _backward, _ring_backward),
                        infer_sharding_from_operands=_infer(BACKWARD_INPUTS, GRADIENTS),
                        sharding_rule=_sharding_rule(BACKWARD_INPUTS, GRADIENTS))
