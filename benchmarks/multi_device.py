@@ -7,6 +7,8 @@
           partitioning) versus the whole sequence on one GPU; efficiency = t(1) / (n t(n)).
           Also the per-GPU memory of the compiled program, and the largest |difference|
           between the two outputs.
+  window  the same with a causal sliding window (default 4096 tokens): the ring stops after
+          the blocks the window reaches (one step behind at 2 GPUs, contiguous order).
 
 Every time is the median of --repeats synchronised calls of a jitted forward + backward
 (the loss is the sum of the output) after a warm-up call. Run: python benchmarks/multi_device.py
@@ -26,14 +28,17 @@ import jaxflash
 from jaxflash.bench import footprint_bytes, median_seconds
 
 
-def grad_fn(attention, causal=True):
+def grad_fn(attention, options):
   def loss(q, k, v):
-    return jnp.sum(attention(q, k, v, is_causal=causal).astype(jnp.float32))
+    return jnp.sum(attention(q, k, v, **options).astype(jnp.float32))
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def forward_fn(attention, causal=True):
-  return jax.jit(lambda q, k, v: attention(q, k, v, is_causal=causal))
+def forward_fn(attention, options):
+  return jax.jit(lambda q, k, v: attention(q, k, v, **options))
+
+
+CAUSAL = dict(is_causal=True)
 
 
 PATHS = {"jaxflash": jaxflash.attention,
@@ -61,15 +66,15 @@ def batch_scaling(devices, per_device_batch, seqlen, heads, head_dim, dtype, rep
   shape1 = (per_device_batch, seqlen, heads, head_dim)
   shape_n = (n * per_device_batch, seqlen, heads, head_dim)
   for name, attention in PATHS.items():
-    t1, _ = timed(grad_fn(attention), operands(shape1, dtype, one), repeats)
-    tn, _ = timed(grad_fn(attention), operands(shape_n, dtype, NamedSharding(mesh, P("data"))),
-                  repeats)
+    t1, _ = timed(grad_fn(attention, CAUSAL), operands(shape1, dtype, one), repeats)
+    tn, _ = timed(grad_fn(attention, CAUSAL),
+                  operands(shape_n, dtype, NamedSharding(mesh, P("data"))), repeats)
     eff = t1 / tn if isinstance(t1, float) and isinstance(tn, float) else None
     rows.append((name, t1, tn, eff))
   return rows
 
 
-def ring_scaling(devices, seqlen, heads, head_dim, dtype, repeats):
+def ring_scaling(devices, seqlen, heads, head_dim, dtype, repeats, options):
   n = len(devices)
   one = jax.sharding.SingleDeviceSharding(devices[0])
   mesh = jax.sharding.Mesh(np.asarray(devices), ("seq",))
@@ -79,12 +84,12 @@ def ring_scaling(devices, seqlen, heads, head_dim, dtype, repeats):
   rows = []
   for direction, make in (("forward", forward_fn), ("fwd+bwd", grad_fn)):
     for name, attention in PATHS.items():
-      t1, m1 = timed(make(attention), args1, repeats)
-      tn, mn = timed(make(attention), args_n, repeats)
+      t1, m1 = timed(make(attention, options), args1, repeats)
+      tn, mn = timed(make(attention, options), args_n, repeats)
       eff = t1 / (n * tn) if isinstance(t1, float) and isinstance(tn, float) else None
       rows.append((direction, name, t1, tn, eff, m1, mn))  # memory_analysis: per device
-  out1 = forward_fn(jaxflash.attention)(*args1)
-  out_n = forward_fn(jaxflash.attention)(*args_n)
+  out1 = forward_fn(jaxflash.attention, options)(*args1)
+  out_n = forward_fn(jaxflash.attention, options)(*args_n)
   diff = float(jnp.max(jnp.abs(jax.device_put(out_n, one).astype(jnp.float32) -
                                out1.astype(jnp.float32))))
   return rows, diff
@@ -99,6 +104,7 @@ def main(argv=None) -> int:
   parser.add_argument("--seqlen", type=int, default=131072, help="ring: tokens in the sequence")
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--window", type=int, default=4096, help="sliding window: tokens back")
   parser.add_argument("--batch-seqlen", type=int, default=4096)
   parser.add_argument("--per-device-batch", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=10)
@@ -116,15 +122,19 @@ def main(argv=None) -> int:
     print(f"{name:10s} {fmt_t(t1):>12s} {fmt_t(tn):>12s} "
           f"{'' if eff is None else f'{eff:10.2f}':>11s}")
 
-  rows, diff = ring_scaling(devices, args.seqlen, args.heads, args.head_dim, dtype, args.repeats)
-  print(f"\nsequence sharding (strong scaling): 1 x {args.seqlen} tokens")
-  print(f"{'pass':8s} {'path':10s} {'1 GPU':>12s} {f'{len(devices)} GPUs':>12s} {'efficiency':>11s} "
-        f"{'GiB/GPU 1':>10s} {f'GiB/GPU {len(devices)}':>10s}")
-  gib = lambda b: "" if b is None else f"{b / 2**30:10.2f}"
-  for direction, name, t1, tn, eff, m1, mn in rows:
-    print(f"{direction:8s} {name:10s} {fmt_t(t1):>12s} {fmt_t(tn):>12s} "
-          f"{'' if eff is None else f'{eff:10.2f}':>11s} {gib(m1):>10s} {gib(mn):>10s}")
-  print(f"\nmax |out({len(devices)} GPUs) - out(1 GPU)| = {diff:.3g} (bf16 output)")
+  for title, options in (("causal", CAUSAL),
+                         (f"causal, window {args.window}",
+                          dict(is_causal=True, local_window_size=(args.window, 0)))):
+    rows, diff = ring_scaling(devices, args.seqlen, args.heads, args.head_dim, dtype,
+                              args.repeats, options)
+    print(f"\nsequence sharding (strong scaling): 1 x {args.seqlen} tokens, {title}")
+    print(f"{'pass':8s} {'path':10s} {'1 GPU':>12s} {f'{len(devices)} GPUs':>12s} "
+          f"{'efficiency':>11s} {'GiB/GPU 1':>10s} {f'GiB/GPU {len(devices)}':>10s}")
+    gib = lambda b: "" if b is None else f"{b / 2**30:10.2f}"
+    for direction, name, t1, tn, eff, m1, mn in rows:
+      print(f"{direction:8s} {name:10s} {fmt_t(t1):>12s} {fmt_t(tn):>12s} "
+            f"{'' if eff is None else f'{eff:10.2f}':>11s} {gib(m1):>10s} {gib(mn):>10s}")
+    print(f"max |out({len(devices)} GPUs) - out(1 GPU)| = {diff:.3g} (bf16 output)")
   return 0
 
 

@@ -77,10 +77,13 @@ struct AttentionParams {
   float scale = 1.f;  // logits = scale * q.k + bias
 
   // Key s is visible from query t iff  -window_left <= s - t - offset <= window_right,
-  // offset = 0 (top-left, jax.nn) or kv_len - q_len (bottom-right); kUnbounded drops a
-  // side. is_causal is window_right = 0.
+  // offset = diagonal_offset + (0 (top-left, jax.nn) or kv_len - q_len (bottom-right));
+  // kUnbounded drops a side. is_causal is window_right = 0. diagonal_offset places the
+  // blocks in a longer sequence: ring attention computes query block [a, a + T) against
+  // key block [b, b + S) of one sequence with diagonal_offset = a - b.
   int64_t window_left = kUnbounded;
   int64_t window_right = kUnbounded;
+  int64_t diagonal_offset = 0;
 
   // Attention dropout (kDropout): entry (t, s) of P is kept iff
   // dropout_bits(dropout_row_key(seed words, t), s) < keep_threshold (dropout.h), and the
@@ -131,7 +134,7 @@ struct InstanceBounds {
 };
 
 JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t linear) {
-  InstanceBounds b{p.seqlen_q, p.seqlen_k, 0};
+  InstanceBounds b{p.seqlen_q, p.seqlen_k, p.diagonal_offset};
   if (p.has(kHasQLens)) {
     const int32_t n = static_cast<const int32_t*>(p.q_lens.data)[instance_offset(p, p.q_lens, linear)];
     b.q_len = n < 0 ? 0 : (n > p.seqlen_q ? p.seqlen_q : n);
@@ -140,7 +143,7 @@ JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t 
     const int32_t n = static_cast<const int32_t*>(p.kv_lens.data)[instance_offset(p, p.kv_lens, linear)];
     b.kv_len = n < 0 ? 0 : (n > p.seqlen_k ? p.seqlen_k : n);
   }
-  if (p.has(kBottomRight)) b.offset = b.kv_len - b.q_len;
+  if (p.has(kBottomRight)) b.offset += b.kv_len - b.q_len;
   return b;
 }
 

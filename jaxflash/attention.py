@@ -505,7 +505,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 # ---------------------------------------------------------------- ring attention
 
 def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale: float | None = None,
-                   is_causal: bool = False, order: Literal["contiguous", "zigzag"] = "contiguous",
+                   is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
+                   order: Literal["contiguous", "zigzag"] = "contiguous",
                    precision: str | jax.lax.Precision | None = None, return_residual: bool = False):
   """Attention over a sequence sharded along the mesh axis ``axis_name``, for use inside
   :func:`jax.shard_map`: ring attention (K/V blocks travel round the devices of the axis by
@@ -522,13 +523,17 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale
     attention then costs every device the same; in the contiguous order the last device does
     ``n`` blocks of work and the first one.
 
+  ``local_window_size`` is :func:`attention`'s, in positions of the whole sequence (query and
+  key blocks of equal length, the contiguous order); the ring then runs only as far as the
+  window reaches.
+
   Returns this device's block of the output (and, with ``return_residual``, of the logsumexp).
-  Differentiable (the backward is a ring too). Bias, mask, sequence lengths, local windows and
-  dropout are not supported yet; with ``jax.jit`` on sequence-sharded operands,
+  Differentiable (the backward is a ring too). Bias, mask, sequence lengths and dropout are not
+  supported yet; with ``jax.jit`` on sequence-sharded operands,
   :func:`attention` runs this ring itself (``docs/DESIGN.md``, Multi-device).
   """
-  call = _validate(query, key, value, None, None, scale, is_causal, None, None, None, None,
-                   return_residual, "top_left", precision, 0.0, None, False)
+  call = _validate(query, key, value, None, None, scale, is_causal, None, None, local_window_size,
+                   None, return_residual, "top_left", precision, 0.0, None, False)
   if order not in ("contiguous", "zigzag"):
     raise ValueError(f"jaxflash.ring_attention: order must be 'contiguous' or 'zigzag', got "
                      f"{order!r}")
@@ -541,6 +546,10 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale
     raise ValueError(f"jaxflash.ring_attention: axis_name must name mesh axes of the enclosing "
                      f"shard_map, got {axis_name!r}") from e
   T, S, _ = call.config.seq_dims
+  if order == "zigzag" and call.config.window not in (ring_lib.OPEN, ring_lib.CAUSAL):
+    raise ValueError(f"jaxflash.ring_attention: order='zigzag' balances causal attention; with "
+                     f"local_window_size={local_window_size!r} use order='contiguous' (a "
+                     f"window gives every device about the same work there)")
   if order == "zigzag" and (T % 2 or S % 2):
     raise ValueError(f"jaxflash.ring_attention: order='zigzag' needs even block lengths (two "
                      f"chunks per device), got query block {T} and key block {S}")

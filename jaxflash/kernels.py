@@ -59,7 +59,9 @@ class KernelConfig:
 
   ``layouts`` maps each present operand/result slot to its layout; slots of
   absent operands are missing. ``window`` is (left, right) with UNBOUNDED for
-  an open side; is_causal is a right window of 0. ``keep_threshold`` and
+  an open side; is_causal is a right window of 0. ``diagonal`` shifts the
+  window's diagonal: query block row t sits ``diagonal`` positions after key
+  block row t (ring attention's blocks of one sequence). ``keep_threshold`` and
   ``keep_scale`` are the dropout's (with the DROPOUT flag; jaxflash/dropout.py).
   """
   instance_sizes: tuple[int, ...]
@@ -70,6 +72,7 @@ class KernelConfig:
   flags: int
   keep_threshold: int = 0
   keep_scale: float = 1.0
+  diagonal: int = 0
 
   def layout(self, slot: str) -> Layout | None:
     return dict(self.layouts).get(slot)
@@ -102,6 +105,7 @@ class KernelConfig:
     return dict(instance_sizes=sizes, strides=strides,
                 dims=np.asarray(self.seq_dims, np.int64), scale=np.float32(self.scale),
                 window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
+                diagonal_offset=np.int64(self.diagonal),
                 flags=np.int64(self.flags), keep_threshold=np.int64(self.keep_threshold),
                 keep_scale=np.float32(self.keep_scale))
 

@@ -165,8 +165,9 @@ class Plan:
       return None
     n = self._mesh_size(axes)
     T, S, _ = self.config.seq_dims
-    # Zig-zag balances causal attention; it needs each block to split into two chunks.
-    order = "zigzag" if self.config.window[1] == 0 and T % (2 * n) == 0 else "contiguous"
+    # Zig-zag balances causal attention (a window balances itself); it needs each block to
+    # split into two chunks.
+    order = "zigzag" if self.config.window == ring_lib.CAUSAL and T % (2 * n) == 0 else "contiguous"
     return ring_lib.Ring(self.local_config(), axes if len(axes) > 1 else axes[0], order)
 
   def _mesh_size(self, mesh_axes: MeshAxes) -> int:

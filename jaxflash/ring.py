@@ -21,6 +21,13 @@ diagonal step every device computes exactly half a block pair: all its queries
 against the first chunk of an earlier device's keys, or its later chunk of
 queries against all of a later device's keys.
 
+A local window (contiguous order, equal lengths) needs only the blocks in its
+reach: each kernel call gets the pair's diagonal offset (query block start minus
+key block start) and computes just the rows and keys the window lets meet, and
+the ring stops when the window's reach ends: a causal sliding window of w
+positions over blocks of T takes ceil(w / T) steps instead of n - 1. A window
+that reaches both ways but not round the ring runs one short pass each way.
+
 Used two ways: jaxflash.ring_attention inside shard_map (the caller chooses the
 order), and the partitioning stage when jit's operands are sharded along the
 sequence (it permutes the contiguous shards into zig-zag order and back).
@@ -46,6 +53,9 @@ AxisName = str | tuple[str, ...]
 QUERY_ROWS = ("q", "o", "lse", "d_o", "delta", "dq")
 KEY_ROWS = ("k", "v", "dk", "dv")
 
+OPEN = (UNBOUNDED, UNBOUNDED)  # KernelConfig.window of full attention
+CAUSAL = (UNBOUNDED, 0)
+
 
 def unsupported(config: KernelConfig) -> str | None:
   """Why ring attention cannot compute this call, or None if it can."""
@@ -54,11 +64,9 @@ def unsupported(config: KernelConfig) -> str | None:
                      ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout")):
     if config.layout(slot) is not None:
       return f"{what} is not supported yet"
-  left, right = config.window
-  if left != UNBOUNDED or right not in (UNBOUNDED, 0):
-    return "local_window_size is not supported yet"
-  if right == 0 and T != S:
-    return f"causal attention needs equal query and key lengths, got {T} and {S}"
+  if config.window != OPEN and T != S:
+    what = "causal attention" if config.window == CAUSAL else "a local window"
+    return f"{what} needs equal query and key lengths, got {T} and {S}"
   return None
 
 
@@ -68,12 +76,70 @@ def _row_axis(layout: Layout) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """Query rows [q0, q0 + tq) against key rows [k0, k0 + tk) of the local blocks."""
+  """Query rows [q0, q0 + tq) of the local block against key rows [k0, k0 + tk) of the visiting
+  one, under `window` with its diagonal shifted by `diagonal` (KernelConfig's)."""
   q0: int
   tq: int
   k0: int
   tk: int
-  causal: bool
+  window: tuple[int, int] = OPEN
+  diagonal: int = 0
+
+
+def placed_task(T: int, S: int, window: tuple[int, int], offset: int) -> Task | None:
+  """The task of a query block of T rows against a key block of S rows that starts `offset`
+  positions before it in the sequence, cut down to the rows and keys the window lets meet;
+  None if it lets none meet. Key s sees query t iff -left <= s - t - offset <= right."""
+  left, right = window
+  q0 = 0 if right == UNBOUNDED else max(0, -offset - right)
+  q1 = T if left == UNBOUNDED else min(T, S + left - offset)
+  k0 = 0 if left == UNBOUNDED else max(0, offset - left)
+  k1 = S if right == UNBOUNDED else min(S, T + offset + right)
+  if q0 >= q1 or k0 >= k1:
+    return None
+  diagonal = offset + q0 - k0
+  # Drop the window where it masks nothing: the kernels then test no element.
+  inside = ((left == UNBOUNDED or -(q1 - q0 - 1) - diagonal >= -left) and
+            (right == UNBOUNDED or (k1 - k0 - 1) - diagonal <= right))
+  if inside:
+    return Task(q0, q1 - q0, k0, k1 - k0)
+  return Task(q0, q1 - q0, k0, k1 - k0, window, diagonal)
+
+
+Branches = tuple[Task | None, Task | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  """K/V blocks going `direction` (+1 or -1) round the ring: at step k device i computes on the
+  block of device i - direction k (mod n). steps[k] is its task when that device comes before
+  device i in the sequence, and when after (None: no work)."""
+  direction: int
+  steps: tuple[Branches, ...]
+
+
+def plan(seq_dims: tuple[int, int], window: tuple[int, int], order: Order, n: int) -> list[Pass]:
+  """The passes of a ring of n devices over local blocks of T queries and S keys."""
+  T, S = seq_dims
+  if order == "zigzag" and window != OPEN:  # causal (ring_attention checks)
+    diagonal = Task(0, T, 0, S, CAUSAL)
+    earlier = Task(0, T, 0, S // 2)      # all queries, the keys' first chunk
+    later = Task(T // 2, T // 2, 0, S)   # the later query chunk, all keys
+    return [Pass(1, ((diagonal, diagonal),) + ((earlier, later),) * (n - 1))]
+  # Contiguous order: device i holds query positions [iT, (i + 1)T) and key positions
+  # [iS, (i + 1)S); whenever the window bounds anything, T == S (unsupported()).
+  back = lambda k: placed_task(T, S, window, k * T)      # the key block k devices before
+  ahead = lambda k: placed_task(T, S, window, -k * T)    # the key block k devices after
+  local = (back(0), back(0))
+  reach_back = max((k for k in range(1, n) if back(k)), default=0)
+  reach_ahead = max((k for k in range(1, n) if ahead(k)), default=0)
+  if reach_ahead and reach_back + reach_ahead < n - 1:
+    # A window reaching both ways but not round the ring: a short pass each way.
+    return [Pass(1, (local,) + tuple((back(k), None) for k in range(1, reach_back + 1))),
+            Pass(-1, ((None, None),) + tuple((None, ahead(k)) for k in range(1, reach_ahead + 1)))]
+  # One way round: the block k devices before arrives at step k, the one n - k after too.
+  last = n - 1 if reach_ahead else reach_back
+  return [Pass(1, (local,) + tuple((back(k), ahead(n - k)) for k in range(1, last + 1)))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,23 +153,8 @@ class Ring:
   def size(self) -> int:
     return lax.axis_size(self.axis_name)
 
-  @property
-  def causal(self) -> bool:
-    return self.config.window[1] == 0
-
-  def steps(self) -> list[tuple[Task | None, Task | None]]:
-    """Per ring step: the task when the visiting key block comes from an earlier device, and
-    when from a later one (the same task for both where it does not matter; None: no work)."""
-    T, S, _ = self.config.seq_dims
-    whole = Task(0, T, 0, S, causal=False)
-    if not self.causal:
-      return [(whole, whole)] * self.size
-    diagonal = Task(0, T, 0, S, causal=True)
-    if self.order == "contiguous":
-      return [(diagonal, diagonal)] + [(whole, None)] * (self.size - 1)
-    earlier = Task(0, T, 0, S // 2, causal=False)      # all queries, the keys' first chunk
-    later = Task(T // 2, T // 2, 0, S, causal=False)   # the later query chunk, all keys
-    return [(diagonal, diagonal)] + [(earlier, later)] * (self.size - 1)
+  def passes(self) -> list[Pass]:
+    return plan(self.config.seq_dims[:2], self.config.window, self.order, self.size)
 
   def task_config(self, task: Task, config: KernelConfig | None = None) -> KernelConfig:
     config = config or self.config
@@ -111,24 +162,29 @@ class Ring:
     for slot, layout in config.layouts:
       rows = task.tq if slot in QUERY_ROWS else task.tk
       layouts[slot] = tuple((role, rows if role == ROW else size) for role, size in layout)
-    return config.replace(seq_dims=(task.tq, task.tk, config.seq_dims[2]),
-                          window=(UNBOUNDED, 0 if task.causal else UNBOUNDED)).with_layouts(layouts)
+    # Positions are the task's own (the lengths are equal, and there are no length operands).
+    return config.replace(seq_dims=(task.tq, task.tk, config.seq_dims[2]), window=task.window,
+                          diagonal=task.diagonal,
+                          flags=config.flags & ~kernels.BOTTOM_RIGHT).with_layouts(layouts)
 
-  def shift(self, tree):
-    """Sends to the next device on the ring."""
+  def shift(self, tree, by: int = 1):
+    """Sends each device's `tree` to the device `by` places on round the ring."""
     n = self.size
-    return lax.ppermute(tree, self.axis_name, [(j, (j + 1) % n) for j in range(n)])
+    if by % n == 0:
+      return tree
+    return lax.ppermute(tree, self.axis_name, [(j, (j + by) % n) for j in range(n)])
 
-  def run(self, step: int, branches: tuple[Task | None, Task | None],
+  def run(self, step: int, direction: int, branches: Branches,
           compute: Callable[..., tuple], idle: Callable[[], tuple], *operands):
-    """compute(task, *operands) for this device's task at `step`; idle() where it has none."""
+    """compute(task, *operands) for this device's task at `step` of a pass going `direction`;
+    idle() where it has none."""
     earlier, later = branches
     fn = lambda task: ((lambda *a: compute(task, *a)) if task is not None else
                        (lambda *a: _varying_like(idle(), a[0])))
     if earlier == later:
       return fn(earlier)(*operands)
     i = lax.axis_index(self.axis_name)
-    src_is_earlier = (i - step) % self.size < i
+    src_is_earlier = (i - direction * step) % self.size < i
     return lax.cond(src_is_earlier, fn(earlier), fn(later), *operands)
 
 
@@ -184,13 +240,17 @@ def forward(q, k, v, ring: Ring):
             _pad_rows(lse, lse_layout, task.q0, T, -jnp.inf))
 
   idle = lambda: (_zeros(o_layout), jnp.full(_shape(lse_layout), -jnp.inf, jnp.float32))
-  acc = idle()
-  kv = (k, v)
-  for step, branches in enumerate(ring.steps()):
-    block = kv
-    if step + 1 < ring.size:
-      kv = ring.shift(kv)  # in flight while this step computes
-    acc = _merge(acc, ring.run(step, branches, compute, idle, *block), o_layout)
+  acc = None
+  for ring_pass in ring.passes():
+    kv = (k, v)
+    for step, branches in enumerate(ring_pass.steps):
+      block = kv
+      if step + 1 < len(ring_pass.steps):
+        kv = ring.shift(kv, ring_pass.direction)  # in flight while this step computes
+      if branches == (None, None):
+        continue
+      part = ring.run(step, ring_pass.direction, branches, compute, idle, *block)
+      acc = part if acc is None else _merge(acc, part, o_layout)
   return acc
 
 
@@ -220,19 +280,28 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring):
             _pad_rows(f32(dv), config.layout("dv"), task.k0, S, 0.0))
 
   idle = lambda: tuple(_zeros(config.layout(slot)) for slot in ("dq", "dk", "dv"))
-  dq = _zeros(config.layout("dq"))
-  kv = (k, v)
-  dkv = (_zeros(config.layout("dk")), _zeros(config.layout("dv")))
-  for step, branches in enumerate(ring.steps()):
-    block = kv
-    if step + 1 < ring.size:
-      kv = ring.shift(kv)
-    dq_part, dk_part, dv_part = ring.run(step, branches, compute, idle, *block)
-    dq = dq + dq_part
-    # A block's dK/dV travel with it, one device behind; after the last step they are one
-    # device short of home, so every step sends them on.
-    dkv = ring.shift((dkv[0] + dk_part, dkv[1] + dv_part))
+  dq = dkv = None
+  for ring_pass in ring.passes():
+    kv = (k, v)
+    travelling = None  # the dK/dV of the block here, accumulated on its way
+    last = len(ring_pass.steps) - 1
+    for step, branches in enumerate(ring_pass.steps):
+      block = kv
+      if step < last:
+        kv = ring.shift(kv, ring_pass.direction)
+      if branches != (None, None):
+        dq_part, *dkv_part = ring.run(step, ring_pass.direction, branches, compute, idle, *block)
+        dq = _add(dq, dq_part)
+        travelling = _add(travelling, tuple(dkv_part))
+      if step < last and travelling is not None:
+        travelling = ring.shift(travelling, ring_pass.direction)  # they go with their block
+    # The block here at the last step is the one of `last` steps back: send its dK/dV home.
+    dkv = _add(dkv, ring.shift(travelling, -ring_pass.direction * last))
   return tuple(x.astype(q.dtype) for x in (dq, *dkv))
+
+
+def _add(acc, part):
+  return part if acc is None else jax.tree.map(jnp.add, acc, part)
 
 
 # ---------------------------------------------------------------- zig-zag order

@@ -10,14 +10,22 @@
 #                                benchmark (on a machine of several GPUs: nvidia-h200-x2)
 #   scripts/gpu_check.sh full    all of it (about 18 minutes on an H100)
 #   scripts/gpu_check.sh quick   build and the GPU test suite only
+#   scripts/gpu_check.sh quick multi   modes combine: one build, each mode's steps
 #
 # The halves fit the device tool's 10-minute calls. Builds for sm_90a only
 # (H100/H200); CI compiles the default architectures. The CPU backend's tests
 # run in CI (.ci/run), so here pytest selects the CUDA ones (-k cuda).
 set -uo pipefail
-MODE=${1:-full}
-case "$MODE" in tests|bench|cli|multi|full|quick) ;; *) echo "usage: $0 [tests|bench|cli|multi|full|quick]"; exit 2 ;; esac
-want() { [ "$MODE" = full ] || [[ " $* " == *" $MODE "* ]]; }
+MODES=("${@:-full}")
+MODE="${MODES[*]}"
+for m in "${MODES[@]}"; do
+  case "$m" in tests|bench|cli|multi|full|quick) ;; *) echo "usage: $0 [tests|bench|cli|multi|full|quick]..."; exit 2 ;; esac
+done
+want() {  # whether any chosen mode is one of the arguments
+  local m
+  for m in "${MODES[@]}"; do [ "$m" = full ] || [[ " $* " == *" $m "* ]] && return 0; done
+  return 1
+}
 OUT=${OUT:-/tmp/jaxflash_out}
 mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -89,8 +97,10 @@ if want bench; then
     --seqlens 1024,4096,16384 --longest-limit 131072 --out "$OUT/bench.md"
 fi
 if want multi; then
-  step sharding sharding.log 300 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -k cuda \
-    "$REPO/tests/test_sharding.py"
+  if ! want tests quick; then  # (else the GPU test suite has run them)
+    step sharding sharding.log 300 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -k cuda \
+      "$REPO/tests/test_sharding.py"
+  fi
   step multi_bench multi_bench.log 400 python3 "$REPO/benchmarks/multi_device.py"
 fi
 if want cli; then

@@ -22,6 +22,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxflash
 import reference
+from jaxflash import kernels, ring as ring_lib
+from jaxflash.attention import _delta, _gradient_layouts, _validate
+from jaxflash.kernels import UNBOUNDED
 from reference import assert_close, assert_same_kernel
 
 H = 32
@@ -98,11 +101,23 @@ CASES = {
                                                value=P(None, "data", "model")),
                                     B=2, N=8, K=4, options=(("is_causal", True),), local=False,
                                     ring=True),
-    # A window is not a ring case yet: XLA gathers the sequence, the answer stays right.
-    "sequence_window_gathered": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
-                                                      value=P(None, "x")),
-                                          B=2, options=(("local_window_size", (5, 0)),),
-                                          local=False),
+    # Sliding windows: the ring runs only as far as the window reaches (test_ring_plan_*).
+    "sequence_sliding_window": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                                     value=P(None, "x")),
+                                         B=2, options=(("local_window_size", (13, 0)),),
+                                         local=False, ring=True),
+    "sequence_two_sided_window_gqa": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                                           value=P(None, "x")),
+                                               B=2, N=8, K=2,
+                                               options=(("local_window_size", (9, 6)),),
+                                               local=False, ring=True),
+    # A window over unequal lengths is no ring case: XLA gathers the sequence, the answer
+    # stays right.
+    "sequence_cross_window_gathered": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                                            value=P(None, "x")),
+                                                B=2, T=64, S=32,
+                                                options=(("local_window_size", (5, 0)),),
+                                                local=False),
 }
 
 
@@ -191,6 +206,9 @@ RING_CASES = {
     "causal_contiguous": dict(is_causal=True, order="contiguous"),
     "full_zigzag": dict(is_causal=False, order="zigzag"),
     "full_contiguous": dict(is_causal=False, order="contiguous"),
+    # Blocks of 16: two blocks back on 8 devices; the second, one block back and two ahead.
+    "causal_sliding_window": dict(is_causal=True, local_window_size=20, order="contiguous"),
+    "two_sided_window": dict(is_causal=False, local_window_size=(5, 18), order="contiguous"),
 }
 
 
@@ -214,7 +232,7 @@ def test_ring_attention_in_shard_map(name, dtype, backend, device):
     return ring(query[:, order], key[:, order], value[:, order])[:, undo]
 
   ours, ours_grads = reference.forward_and_grads(attention, *_shard(inputs, cotangent, case, mesh))
-  static = dict(is_causal=options["is_causal"])
+  static = {name: value for name, value in options.items() if name != "order"}
   (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
       inputs, cotangent, backend=backend, **static)
   tolerance = reference.compute_name(backend, dtype)
@@ -246,14 +264,102 @@ def test_ring_attention_errors(kwargs, match):
 def test_ring_attention_refuses_what_it_cannot_compute():
   mesh = make_mesh("cpu", two_d=False)
   x = jnp.ones((1, 8 * mesh.shape["x"], 2, 8))
-  with pytest.raises(TypeError):  # ring_attention has no local_window_size argument
-    jaxflash.ring_attention(x, x, x, axis_name="x", local_window_size=3)
-  fn = jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="x", is_causal=True),
-                     mesh=mesh, in_specs=(P(None, "x"), P(None, "x"), P(None, "x")),
-                     out_specs=P(None, "x"))
   y = jnp.ones((1, 4 * mesh.shape["x"], 2, 8))
+  ring = lambda **kwargs: jax.jit(jax.shard_map(
+      functools.partial(jaxflash.ring_attention, axis_name="x", **kwargs), mesh=mesh,
+      in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x")))
   with pytest.raises(ValueError, match="causal attention needs equal query and key lengths"):
-    jax.jit(fn).lower(x, y, y)
+    ring(is_causal=True).lower(x, y, y)
+  with pytest.raises(ValueError, match="a local window needs equal query and key lengths"):
+    ring(local_window_size=3).lower(x, y, y)
+  with pytest.raises(ValueError, match="order='zigzag' balances causal attention; with "
+                                       "local_window_size=3 use order='contiguous'"):
+    ring(local_window_size=3, order="zigzag").lower(x, x, x)
+
+
+U = UNBOUNDED
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("window", [(U, U), (U, 0), (13, 0), (9, 6), (3, 3), (0, 0), (2, 20),
+                                    (100, 100)])
+def test_ring_plan_covers_each_visible_pair_once(window, n):
+  """Over all devices, steps and passes, the tasks of a contiguous ring compute every query-key
+  pair the window lets meet exactly once, and no other."""
+  T = 8
+  positions = np.arange(n * T)
+  visible = _in_window(window, positions[None, :] - positions[:, None])
+  covered = np.zeros(visible.shape, int)
+  for ring_pass in ring_lib.plan((T, T), window, "contiguous", n):
+    for step, (earlier, later) in enumerate(ring_pass.steps):
+      for i in range(n):
+        src = (i - ring_pass.direction * step) % n
+        task = earlier if src < i else later
+        if task is None:
+          continue
+        t, s = np.arange(task.tq)[:, None], np.arange(task.tk)[None, :]
+        rows, keys = i * T + task.q0 + t, src * T + task.k0 + s
+        np.add.at(covered, (np.broadcast_to(rows, (task.tq, task.tk)),
+                            np.broadcast_to(keys, (task.tq, task.tk))),
+                  _in_window(task.window, s - t - task.diagonal))
+  np.testing.assert_array_equal(covered, visible.astype(int))
+
+
+@pytest.mark.parametrize("window,steps", [
+    ((U, U), [8]), ((U, 0), [8]),
+    ((13, 0), [3]),      # two blocks of 8 back: the ring stops after two permutes
+    ((9, 6), [3, 2]),    # two back and one ahead: a short pass each way
+    ((40, 40), [8]),     # five each way: once round is shorter
+])
+def test_ring_plan_stops_where_the_window_ends(window, steps):
+  assert [len(p.steps) for p in ring_lib.plan((8, 8), window, "contiguous", 8)] == steps
+
+
+def _in_window(window, d):
+  left, right = window
+  return (((left == U) | (d >= -left)) & ((right == U) | (d <= right))).astype(int)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("q_start,k_start,window", [
+    (16, 8, (13, 0)),   # a sliding window, keys behind (diagonal_offset 8)
+    (0, 8, (2, 10)),    # keys ahead (diagonal_offset -8)
+    (40, 3, (37, 37)),  # every key of the block in the window
+])
+def test_diagonal_offset_places_blocks_in_one_sequence(q_start, k_start, window, dtype, backend,
+                                                       device):
+  """The kernels on one device, given query rows [q_start, q_start + T) and key rows
+  [k_start, k_start + S) of one sequence as the ring gives them (diagonal_offset = q_start -
+  k_start), equal attention under the window of the whole sequence's positions."""
+  T, S, N, K = 29, 21, 4, 2
+  case = ShardCase(False, {}, B=2, T=T, S=S, N=N, K=K)
+  inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
+  d = (k_start + np.arange(S))[None, :] - (q_start + np.arange(T))[:, None]
+  inputs["mask"] = jax.device_put(jnp.asarray((d >= -window[0]) & (d <= window[1]))[None, None],
+                                  device)
+  absent = lambda dtype: [kernels.absent(slot, dtype) for slot in
+                          ("bias", "mask", "q_lens", "kv_lens", "seed")]
+
+  @jax.jit
+  def placed(q, k, v, d_o):
+    config = _validate(
+        q, k, v, None, None, None, False, None, None, window, None, False, "top_left", None, 0.0,
+        None, False).config.replace(diagonal=q_start - k_start)
+    o32, lse = kernels.forward_kernel_p.bind(
+        q, k, v, *absent(q.dtype), config=config.replace(flags=config.flags | kernels.OUTPUT_F32))
+    delta = _delta(d_o, o32, tf32=reference.baseline_uses_tf32(backend, q.dtype))
+    dq, dk, dv, _, _ = kernels.backward_kernel_p.bind(
+        q, k, v, *absent(q.dtype), lse, delta, d_o,
+        config=config.with_layouts(_gradient_layouts(config)))
+    return o32.astype(q.dtype), dict(dq=dq, dk=dk, dv=dv)
+
+  ours, ours_grads = placed(inputs["query"], inputs["key"], inputs["value"], cotangent)
+  (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
+      {n: inputs[n] for n in ("query", "key", "value", "mask")}, cotangent, backend=backend)
+  tolerance = reference.compute_name(backend, dtype)
+  assert_close(ours, ref, base, tolerance, "out")
+  for g in ref_grads:
+    assert_close(ours_grads[g], ref_grads[g], base_grads[g], tolerance, g)
 
 
 def test_explicit_mesh_and_gspmd(backend, device):

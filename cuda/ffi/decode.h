@@ -9,6 +9,7 @@
 //   dims           : [3]            T, S, H
 //   scale          : float32
 //   window_left, window_right       kUnbounded (-1) or >= 0
+//   diagonal_offset                 added to the window's diagonal (params.h)
 //   flags                           bits of jaxflash::Flags
 //   keep_threshold                  dropout: keep iff bits < it, in [0, 2^32 - 1]
 //   keep_scale                      float32, dropout: 1 / (1 - rate)
@@ -41,7 +42,7 @@ inline const char* slot_name(int slot) {
 struct LayoutAttrs {
   ffi::Span<const int64_t> instance_sizes, strides, dims;
   float scale;
-  int64_t window_left, window_right, flags, keep_threshold;
+  int64_t window_left, window_right, diagonal_offset, flags, keep_threshold;
   float keep_scale;
 };
 
@@ -68,6 +69,7 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
   p.scale = a.scale;
   p.window_left = a.window_left;
   p.window_right = a.window_right;
+  p.diagonal_offset = a.diagonal_offset;
   p.flags = a.flags;
   if (p.has(kDropout)) {
     if (a.keep_threshold < 0 || a.keep_threshold > int64_t{0xFFFFFFFF} || !(a.keep_scale >= 1.f))
@@ -269,6 +271,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxflash::LayoutAttrs,
                                       xla::ffi::StructMember<float>("scale"),
                                       xla::ffi::StructMember<int64_t>("window_left"),
                                       xla::ffi::StructMember<int64_t>("window_right"),
+                                      xla::ffi::StructMember<int64_t>("diagonal_offset"),
                                       xla::ffi::StructMember<int64_t>("flags"),
                                       xla::ffi::StructMember<int64_t>("keep_threshold"),
                                       xla::ffi::StructMember<float>("keep_scale"));

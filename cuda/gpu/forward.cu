@@ -37,7 +37,7 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if (elem_bytes == 0) return cudaErrorInvalidValue;
   // Positions are 32-bit in the kernel (see primitives/positions.h).
   if (p.head_dim < 0 || p.head_dim > 256 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.seqlen_q >= kMaxSeqLen ||
-      p.seqlen_k >= kMaxSeqLen)
+      p.seqlen_k >= kMaxSeqLen || p.diagonal_offset <= -kMaxSeqLen || p.diagonal_offset >= kMaxSeqLen)
     return cudaErrorInvalidValue;
   if (p.seqlen_q == 0 || p.num_instances() == 0) return cudaSuccess;  // nothing to write
   // The kernel copies rows of q/k/v/o in contiguous chunks.
