@@ -107,15 +107,42 @@ def placed_task(T: int, S: int, window: tuple[int, int], offset: int) -> Task | 
 
 
 Branches = tuple[Task | None, Task | None]
+Span = tuple[int, int]  # rows [lo, hi) of a block
+
+
+def _union(spans) -> Span | None:
+  spans = [span for span in spans if span is not None]
+  return (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
   """K/V blocks going `direction` (+1 or -1) round the ring: at step k device i computes on the
   block of device i - direction k (mod n). steps[k] is its task when that device comes before
-  device i in the sequence, and when after (None: no work)."""
+  device i in the sequence, and when after (None: no work).
+
+  A step's results cover the union of its tasks' rows (query_span, key_span), so that both
+  branches of its lax.cond agree and nothing outside is merged; a travelling block carries
+  only the key rows its remaining steps read (keys_held), its dK/dV only the rows its steps
+  wrote (keys_touched): a window that reaches w keys into the next block sends w rows, not S."""
   direction: int
   steps: tuple[Branches, ...]
+
+  def query_span(self, step: int) -> Span | None:
+    return _union((t.q0, t.q0 + t.tq) for t in self.steps[step] if t is not None)
+
+  def key_span(self, step: int) -> Span | None:
+    return _union((t.k0, t.k0 + t.tk) for t in self.steps[step] if t is not None)
+
+  def keys_held(self, step: int, S: int) -> Span:
+    """The key rows of the block on a device at `step` (step 0: the local block, whole)."""
+    if step == 0:
+      return (0, S)
+    return _union(self.key_span(j) for j in range(step, len(self.steps)))
+
+  def keys_touched(self, step: int) -> Span | None:
+    """The key rows of the travelling block whose dK/dV steps 1..step wrote."""
+    return _union(self.key_span(j) for j in range(1, step + 1))
 
 
 def plan(seq_dims: tuple[int, int], window: tuple[int, int], order: Order, n: int) -> list[Pass]:
@@ -214,6 +241,24 @@ def _absent_operands(dtype):
   return tuple(kernels.absent(slot, dtype) for slot in ("bias", "mask", "q_lens", "kv_lens", "seed"))
 
 
+def _shape(layout: Layout, rows: int) -> tuple[int, ...]:
+  return tuple(rows if role == ROW else size for role, size in layout)
+
+
+def _zeros(layout: Layout, rows: int):
+  return jnp.zeros(_shape(layout, rows), jnp.float32)
+
+
+def _update_rows(x, layout: Layout, span: Span, update):
+  """x with rows [span) replaced by update(those rows)."""
+  axis = _row_axis(layout)
+  lo, hi = span
+  if (lo, hi) == (0, x.shape[axis]):
+    return update(x)
+  part = update(lax.slice_in_dim(x, lo, hi, axis=axis))
+  return lax.dynamic_update_slice_in_dim(x, part, lo, axis)
+
+
 def _merge(acc, part, o_layout: Layout):
   """The logsumexp merge of two partial (o, lse) of the same queries."""
   (o_a, lse_a), (o_b, lse_b) = acc, part
@@ -224,84 +269,115 @@ def _merge(acc, part, o_layout: Layout):
   return o_a * weight(lse_a) + o_b * weight(lse_b), lse
 
 
+def _travel(ring: Ring, ring_pass: Pass, k, v, S: int):
+  """Per step of the pass: (step, branches, the K/V block on this device, the key rows it
+  holds). Each step's send is issued before the step computes, so the two overlap."""
+  kv, held = (k, v), (0, S)
+  last = len(ring_pass.steps) - 1
+  for step, branches in enumerate(ring_pass.steps):
+    block, block_rows = kv, held
+    if step < last:
+      held = ring_pass.keys_held(step + 1, S)
+      lo, hi = held[0] - block_rows[0], held[1] - block_rows[0]
+      kv = ring.shift(tuple(lax.slice_in_dim(x, lo, hi, axis=_row_axis(ring.config.layout(slot)))
+                            for x, slot in zip(kv, ("k", "v"))), ring_pass.direction)
+    yield step, branches, block, block_rows
+
+
+def _step_call(ring: Ring, ring_pass: Pass, step: int, branches: Branches, compute, idle, block,
+               block_rows: Span):
+  """compute(task, k rows, v rows) for this device's branch at the step, or idle()."""
+  def task_call(task: Task, k_block, v_block):
+    rows = lambda x, slot: _rows(x, ring.config.layout(slot), task.k0 - block_rows[0], task.tk)
+    return compute(task, rows(k_block, "k"), rows(v_block, "v"))
+  return ring.run(step, ring_pass.direction, branches, task_call, idle, *block)
+
+
 def forward(q, k, v, ring: Ring):
   """This device's (o in float32, lse) over the whole ring."""
   config = ring.config.replace(flags=ring.config.flags | kernels.OUTPUT_F32)
-  T = config.seq_dims[0]
+  T, S, _ = config.seq_dims
   o_layout, lse_layout = config.layout("o"), config.layout("lse")
-
-  def compute(task: Task, k_block, v_block):
-    q_rows = lambda x, slot: _rows(x, config.layout(slot), task.q0, task.tq)
-    k_rows = lambda x, slot: _rows(x, config.layout(slot), task.k0, task.tk)
-    o, lse = kernels.forward_kernel_p.bind(
-        q_rows(q, "q"), k_rows(k_block, "k"), k_rows(v_block, "v"), *_absent_operands(q.dtype),
-        config=ring.task_config(task, config))
-    return (_pad_rows(o, o_layout, task.q0, T, 0.0),
-            _pad_rows(lse, lse_layout, task.q0, T, -jnp.inf))
-
-  idle = lambda: (_zeros(o_layout), jnp.full(_shape(lse_layout), -jnp.inf, jnp.float32))
-  acc = None
+  o = lse = None
   for ring_pass in ring.passes():
-    kv = (k, v)
-    for step, branches in enumerate(ring_pass.steps):
-      block = kv
-      if step + 1 < len(ring_pass.steps):
-        kv = ring.shift(kv, ring_pass.direction)  # in flight while this step computes
+    for step, branches, block, block_rows in _travel(ring, ring_pass, k, v, S):
       if branches == (None, None):
         continue
-      part = ring.run(step, ring_pass.direction, branches, compute, idle, *block)
-      acc = part if acc is None else _merge(acc, part, o_layout)
-  return acc
+      lo, hi = span = ring_pass.query_span(step)
 
+      def compute(task: Task, k_rows, v_rows):
+        o_part, lse_part = kernels.forward_kernel_p.bind(
+            _rows(q, config.layout("q"), task.q0, task.tq), k_rows, v_rows,
+            *_absent_operands(q.dtype), config=ring.task_config(task, config))
+        return (_pad_rows(o_part, o_layout, task.q0 - lo, hi - lo, 0.0),
+                _pad_rows(lse_part, lse_layout, task.q0 - lo, hi - lo, -jnp.inf))
 
-def _shape(layout: Layout) -> tuple[int, ...]:
-  return tuple(size for _, size in layout)
-
-
-def _zeros(layout: Layout):
-  return jnp.zeros(_shape(layout), jnp.float32)
+      idle = lambda: (_zeros(o_layout, hi - lo),
+                      jnp.full(_shape(lse_layout, hi - lo), -jnp.inf, jnp.float32))
+      o_part, lse_part = _step_call(ring, ring_pass, step, branches, compute, idle, block,
+                                    block_rows)
+      if o is None:  # the first step: the local block, all rows (plan())
+        assert span == (0, T), span
+        o, lse = o_part, lse_part
+        continue
+      # The merge needs both operands' rows at once: slice both, merge, write both back.
+      merged = _merge((_rows(o, o_layout, lo, hi - lo), _rows(lse, lse_layout, lo, hi - lo)),
+                      (o_part, lse_part), o_layout)
+      o = _update_rows(o, o_layout, span, lambda _: merged[0])
+      lse = _update_rows(lse, lse_layout, span, lambda _: merged[1])
+  return o, lse
 
 
 def backward(q, k, v, lse, delta, d_o, ring: Ring):
   """(dq, dk, dv) of this device's blocks over the whole ring; ring.config is the backward's."""
   config = ring.config
   T, S, _ = config.seq_dims
-
-  def compute(task: Task, k_block, v_block):
-    q_rows = lambda x, slot: _rows(x, config.layout(slot), task.q0, task.tq)
-    k_rows = lambda x, slot: _rows(x, config.layout(slot), task.k0, task.tk)
-    dq, dk, dv, _dbias, _workspace = kernels.backward_kernel_p.bind(
-        q_rows(q, "q"), k_rows(k_block, "k"), k_rows(v_block, "v"), *_absent_operands(q.dtype),
-        q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
-        config=ring.task_config(task))
-    f32 = lambda x: x.astype(jnp.float32)
-    return (_pad_rows(f32(dq), config.layout("dq"), task.q0, T, 0.0),
-            _pad_rows(f32(dk), config.layout("dk"), task.k0, S, 0.0),
-            _pad_rows(f32(dv), config.layout("dv"), task.k0, S, 0.0))
-
-  idle = lambda: tuple(_zeros(config.layout(slot)) for slot in ("dq", "dk", "dv"))
-  dq = dkv = None
+  layout = config.layout
+  dq = _zeros(layout("dq"), T)
+  dk, dv = _zeros(layout("dk"), S), _zeros(layout("dv"), S)
   for ring_pass in ring.passes():
-    kv = (k, v)
-    travelling = None  # the dK/dV of the block here, accumulated on its way
+    travelling = touched = None  # the dK/dV of the block here (its rows `touched`)
     last = len(ring_pass.steps) - 1
-    for step, branches in enumerate(ring_pass.steps):
-      block = kv
-      if step < last:
-        kv = ring.shift(kv, ring_pass.direction)
+    for step, branches, block, block_rows in _travel(ring, ring_pass, k, v, S):
       if branches != (None, None):
-        dq_part, *dkv_part = ring.run(step, ring_pass.direction, branches, compute, idle, *block)
-        dq = _add(dq, dq_part)
-        travelling = _add(travelling, tuple(dkv_part))
+        q_lo, q_hi = q_span = ring_pass.query_span(step)
+        k_lo, k_hi = k_span = ring_pass.key_span(step)
+
+        def compute(task: Task, k_rows, v_rows):
+          q_rows = lambda x, slot: _rows(x, layout(slot), task.q0, task.tq)
+          dq_part, dk_part, dv_part, _dbias, _workspace = kernels.backward_kernel_p.bind(
+              q_rows(q, "q"), k_rows, v_rows, *_absent_operands(q.dtype), q_rows(lse, "lse"),
+              q_rows(delta, "delta"), q_rows(d_o, "d_o"), config=ring.task_config(task))
+          f32 = lambda x: x.astype(jnp.float32)
+          return (_pad_rows(f32(dq_part), layout("dq"), task.q0 - q_lo, q_hi - q_lo, 0.0),
+                  _pad_rows(f32(dk_part), layout("dk"), task.k0 - k_lo, k_hi - k_lo, 0.0),
+                  _pad_rows(f32(dv_part), layout("dv"), task.k0 - k_lo, k_hi - k_lo, 0.0))
+
+        idle = lambda: (_zeros(layout("dq"), q_hi - q_lo), _zeros(layout("dk"), k_hi - k_lo),
+                        _zeros(layout("dv"), k_hi - k_lo))
+        dq_part, dk_part, dv_part = _step_call(ring, ring_pass, step, branches, compute, idle,
+                                               block, block_rows)
+        dq = _update_rows(dq, layout("dq"), q_span, lambda rows: rows + dq_part)
+        if step == 0:  # the local block's own
+          dk = _update_rows(dk, layout("dk"), k_span, lambda rows: rows + dk_part)
+          dv = _update_rows(dv, layout("dv"), k_span, lambda rows: rows + dv_part)
+        else:
+          now = ring_pass.keys_touched(step)
+          grow = lambda x, slot, span: _pad_rows(x, layout(slot), span[0] - now[0],
+                                                 now[1] - now[0], 0.0)
+          parts = (grow(dk_part, "dk", k_span), grow(dv_part, "dv", k_span))
+          travelling = parts if travelling is None else tuple(
+              grow(x, slot, touched) + part
+              for x, slot, part in zip(travelling, ("dk", "dv"), parts))
+          touched = now
       if step < last and travelling is not None:
         travelling = ring.shift(travelling, ring_pass.direction)  # they go with their block
-    # The block here at the last step is the one of `last` steps back: send its dK/dV home.
-    dkv = _add(dkv, ring.shift(travelling, -ring_pass.direction * last))
-  return tuple(x.astype(q.dtype) for x in (dq, *dkv))
-
-
-def _add(acc, part):
-  return part if acc is None else jax.tree.map(jnp.add, acc, part)
+    if travelling is not None:
+      # The block here at the last step is the one of `last` steps back: send its dK/dV home.
+      home_dk, home_dv = ring.shift(travelling, -ring_pass.direction * last)
+      dk = _update_rows(dk, layout("dk"), touched, lambda rows: rows + home_dk)
+      dv = _update_rows(dv, layout("dv"), touched, lambda rows: rows + home_dv)
+  return tuple(x.astype(q.dtype) for x in (dq, dk, dv))
 
 
 # ---------------------------------------------------------------- zig-zag order

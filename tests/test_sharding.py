@@ -315,6 +315,17 @@ def test_ring_plan_stops_where_the_window_ends(window, steps):
   assert [len(p.steps) for p in ring_lib.plan((8, 8), window, "contiguous", 8)] == steps
 
 
+def test_ring_sends_only_the_rows_the_window_reads():
+  """A causal window of 5 over blocks of 64: one step, on which 5 key rows travel, 5 query rows
+  merge, and the dK/dV of 5 key rows go home."""
+  (ring_pass,) = ring_lib.plan((64, 64), (5, 0), "contiguous", 8)
+  assert len(ring_pass.steps) == 2
+  assert ring_pass.keys_held(1, 64) == (59, 64)
+  assert ring_pass.query_span(1) == (0, 5)
+  assert ring_pass.keys_touched(1) == (59, 64)
+  assert ring_pass.query_span(0) == ring_pass.keys_held(0, 64) == (0, 64)
+
+
 def _in_window(window, d):
   left, right = window
   return (((left == U) | (d >= -left)) & ((right == U) | (d <= right))).astype(int)
