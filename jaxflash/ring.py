@@ -27,6 +27,9 @@ key block start) and computes just the rows and keys the window lets meet, and
 the ring stops when the window's reach ends: a causal sliding window of w
 positions over blocks of T takes ceil(w / T) steps instead of n - 1. A window
 that reaches both ways but not round the ring runs one short pass each way.
+Blocks travel with only the key rows their remaining steps read, and each step
+merges only the query rows it wrote, so a window of w moves and merges w rows a
+step, not a whole block.
 
 Used two ways: jaxflash.ring_attention inside shard_map (the caller chooses the
 order), and the partitioning stage when jit's operands are sharded along the
@@ -49,9 +52,8 @@ from jaxflash.layout import COL, ROW, Layout
 Order = Literal["contiguous", "zigzag"]
 AxisName = str | tuple[str, ...]
 
-# The sequence each slot's rows run along.
+# The slots whose rows run along the queries; the others' (k, v, dk, dv) run along the keys.
 QUERY_ROWS = ("q", "o", "lse", "d_o", "delta", "dq")
-KEY_ROWS = ("k", "v", "dk", "dv")
 
 OPEN = (UNBOUNDED, UNBOUNDED)  # KernelConfig.window of full attention
 CAUSAL = (UNBOUNDED, 0)
@@ -279,7 +281,7 @@ def _travel(ring: Ring, ring_pass: Pass, k, v, S: int):
     if step < last:
       held = ring_pass.keys_held(step + 1, S)
       lo, hi = held[0] - block_rows[0], held[1] - block_rows[0]
-      kv = ring.shift(tuple(lax.slice_in_dim(x, lo, hi, axis=_row_axis(ring.config.layout(slot)))
+      kv = ring.shift(tuple(_rows(x, ring.config.layout(slot), lo, hi - lo)
                             for x, slot in zip(kv, ("k", "v"))), ring_pass.direction)
     yield step, branches, block, block_rows
 
