@@ -65,14 +65,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const PTile sP{kv + 2 * KTile::kBytes};
   const PTile sdS{kv + 2 * KTile::kBytes + PTile::kBytes};
   float* dq_stage = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);  // sm_90 only (see the launcher)
-  __shared__ int s_ticket;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
-  __syncthreads();
-  const int64_t ticket = s_ticket;
-  const int64_t kept = ticket % rt.kv_kept;
-  const int64_t key_tile = ticket / rt.kv_kept;
+  const auto [kept, key_tile] = take_key_tile(rt, tid);
   const int64_t n0 = key_tile * BN;
 
   const int s_row0 = (warp / Cfg::kSWarpsN) * Cfg::kSRows, s_col0 = (warp % Cfg::kSWarpsN) * Cfg::kSCols;

@@ -14,6 +14,22 @@
 
 namespace jaxflash::gpu {
 
+// This CTA's kept instance and key tile. CTAs do not use blockIdx: each takes a
+// ticket from the zeroed counter on entry, key tile slowest, which is what keeps
+// the dQ protocol free of deadlock (bwd_dq.h, "No deadlock").
+struct KeyTileTicket {
+  int64_t kept;      // the kept instance
+  int64_t key_tile;  // keys [key_tile * BLOCK_N, + BLOCK_N)
+};
+
+__device__ __forceinline__ KeyTileTicket take_key_tile(const BwdRuntime& rt, int tid) {
+  __shared__ int s_ticket;
+  if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
+  __syncthreads();
+  const int64_t ticket = s_ticket;
+  return {ticket % rt.kv_kept, ticket / rt.kv_kept};
+}
+
 // The K / V rows now in shared memory.
 template <class T>
 struct ResidentKv {

@@ -105,7 +105,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   float* const stats = reinterpret_cast<float*>(smem + Cfg::kStatsOff);
   uint32_t* const row_keys = reinterpret_cast<uint32_t*>(smem + Cfg::kRowKeysOff);
   float* const dq_stage = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
-  __shared__ int s_ticket;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int group = warp / 4, key0 = group * Cfg::kGroupKeys;
@@ -116,11 +115,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int dq_warp = (dq_row0 / 16 + warp % 4) * Cfg::kDq.warps_n + dq_col0 / 64;
   constexpr int kDqWarpFloats = 16 * 64;
 
-  if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
-  __syncthreads();
-  const int64_t ticket = s_ticket;
-  const int64_t kept = ticket % rt.kv_kept;
-  const int64_t key_tile = ticket / rt.kv_kept;
+  const auto [kept, key_tile] = take_key_tile(rt, tid);
   const int64_t n0 = key_tile * BN;
   const int head_dim = static_cast<int>(p.head_dim);
 
