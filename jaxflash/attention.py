@@ -431,7 +431,7 @@ def _flash_bwd(config, residuals, cotangents):
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
-  delta = _delta(d_out, out32, tf32=q.dtype == jnp.float32 and not config.has(kernels.EXACT_F32))
+  delta = _delta(d_out, out32, config)
   if not isinstance(d_lse, SymbolicZero):
     delta = delta - d_lse.astype(jnp.float32)
   grad_layouts = _gradient_layouts(config)
@@ -459,7 +459,7 @@ def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:
           "dk": config.layout("k"), "dv": config.layout("v")}
 
 
-def _delta(d_out, out32, *, tf32: bool):
+def _delta(d_out, out32, config: KernelConfig):
   """Δ = rowsum(dO ∘ O) before the lse's cotangent, from the float32 output: from the output
   rounded to 16 bits, the gradients of sharply peaked attention come out several times worse
   than jax.nn's.
@@ -467,9 +467,10 @@ def _delta(d_out, out32, *, tf32: bool):
   With tf32 products (float32 on CUDA, default precision), dO is rounded to tf32 first, as the
   kernel's dP = dO·Vᵀ rounds it: Δ must equal Σ P∘dP of the kernel's own dP, or dS = P∘(dP - Δ)
   keeps a rounding residue where it cancels to 0 exactly (one visible key: dk and dbias are 0).
-  The CPU kernels are float32-exact, so only the CUDA lowering rounds."""
+  The CPU kernels are float32-exact, so only the CUDA lowering rounds. (d_out, the output's
+  cotangent, has the query's dtype.)"""
   exact = lambda d_out, out32: jnp.sum(d_out.astype(jnp.float32) * out32, axis=-1)
-  if not tf32:
+  if d_out.dtype != jnp.float32 or config.has(kernels.EXACT_F32):
     return exact(d_out, out32)
   rounded = lambda d_out, out32: exact(_round_to_tf32(d_out.astype(jnp.float32)), out32)
   return jax.lax.platform_dependent(d_out, out32, cuda=rounded, default=exact)
@@ -581,7 +582,7 @@ def _ring_bwd(ring, residuals, cotangents):
   q, k, v, out32, lse = residuals
   d_out, d_lse = cotangents
   config = ring.config
-  delta = _delta(d_out, out32, tf32=q.dtype == jnp.float32 and not config.has(kernels.EXACT_F32))
+  delta = _delta(d_out, out32, config)
   delta = delta - d_lse.astype(jnp.float32)
   backward = dataclasses.replace(ring, config=config.with_layouts(_gradient_layouts(config)))
   return ring_lib.backward(q, k, v, lse, delta, d_out.astype(q.dtype), backward)

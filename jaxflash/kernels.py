@@ -47,6 +47,9 @@ FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed")
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
 FORWARD_RESULTS = ("o", "lse")
 BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
+# The slots whose ROW axis runs along the query positions; the other slots with a
+# ROW axis (k, v, dk, dv) run along the key positions.
+QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias")
 # The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
 # axis must be minor-most in memory.
 COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
@@ -131,9 +134,8 @@ def result_aval(q, shape, dtype) -> jax.core.ShapedArray:
                   sharding=NamedSharding(q.sharding.mesh, PartitionSpec()))
 
 
-def forward_avals(q, bias, config: KernelConfig):
+def forward_avals(q, config: KernelConfig):
   """(o, lse) of a forward with this config."""
-  del bias
   o_dtype = jnp.float32 if config.has(OUTPUT_F32) else q.dtype
   return (result_aval(q, shape_of(config.layout("o")), o_dtype),
           result_aval(q, shape_of(config.layout("lse")), jnp.float32))
@@ -151,7 +153,7 @@ def gradient_avals(q, k, v, bias, config: KernelConfig):
 forward_kernel_p = core.Primitive("jaxflash_fwd_kernel")
 forward_kernel_p.multiple_results = True
 forward_kernel_p.def_abstract_eval(
-    lambda q, k, v, bias, *rest, config: forward_avals(q, bias, config))
+    lambda q, *rest, config: forward_avals(q, config))
 
 
 def _backward_kernel_abstract_eval(q, k, v, bias, *rest, config):

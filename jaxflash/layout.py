@@ -44,6 +44,16 @@ def insert_axis(layout: Layout, position: int, axis: Axis) -> Layout:
   return layout[:position] + (axis,) + layout[position:]
 
 
+def role_axis(layout: Layout, role: str) -> int:
+  """The position of the ROW or COL axis."""
+  return next(i for i, (r, _) in enumerate(layout) if r == role)
+
+
+def with_rows(layout: Layout, rows: int) -> Layout:
+  """The layout with its ROW axis resized to `rows` (a block of the sequence)."""
+  return tuple((role, rows if role == ROW else size) for role, size in layout)
+
+
 def drop_col(layout: Layout) -> Layout:
   return tuple(axis for axis in layout if axis[0] != COL)
 

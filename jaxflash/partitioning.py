@@ -18,7 +18,9 @@ An instance factor may be sharded on any mesh axes that divide it: each device
 runs its own batch items and heads, and nothing is communicated except a psum
 of a gradient whose operand does not carry a sharded factor (dk and dv of a
 query group split over devices; dbias of a bias broadcast over a sharded batch
-or head axis). t, s and h must be replicated: XLA gathers a sequence- or
+or head axis). t and s are sharded together, on the mesh axes of q's (else k's)
+sequence, when ring attention (jaxflash/ring.py) can compute the call; otherwise
+they stay replicated, as h always does, and XLA gathers a sequence- or
 feature-sharded operand before the call.
 """
 
@@ -36,14 +38,12 @@ from jaxflash import kernels
 from jaxflash import ring as ring_lib
 from jaxflash.kernels import (BACKWARD_INPUTS, BACKWARD_RESULTS, FORWARD_INPUTS, FORWARD_RESULTS,
                               KernelConfig)
-from jaxflash.layout import COL, ROW, Axis
+from jaxflash.layout import COL, ROW, Axis, role_axis
 
 GRADIENTS = BACKWARD_RESULTS[:4]  # the kernel's workspace stays inside the partition
 
-# The sequence factor of each slot's ROW axis and the factor of its COL axis
-# (the seed's COL axis, its two words, has none: never sharded).
-ROW_FACTOR = {**dict.fromkeys(("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias"), "t"),
-              **dict.fromkeys(("k", "v", "dk", "dv"), "s")}
+# The factor of each slot's COL axis (the seed's COL axis, its two words, has none: never
+# sharded); a ROW axis is t for kernels.QUERY_ROW_SLOTS, else s.
 COL_FACTOR = {**dict.fromkeys(("q", "k", "v", "o", "d_o", "dq", "dk", "dv"), "h"),
               **dict.fromkeys(("bias", "mask", "dbias"), "s")}
 SEQUENCE_FACTORS = ("t", "s")  # sharded together, by ring attention
@@ -63,7 +63,7 @@ def axis_factors(config: KernelConfig, slot: str, axis: Axis) -> tuple[str, ...]
   if size == 1:
     return ()
   if role == ROW:
-    return (ROW_FACTOR[slot],)
+    return ("t" if slot in kernels.QUERY_ROW_SLOTS else "s",)
   if role == COL:
     return (COL_FACTOR[slot],) if slot in COL_FACTOR else ()
   return tuple(_instance_factor(i) for i in role if config.instance_sizes[i] != 1)
@@ -143,9 +143,7 @@ class Plan:
     """Shards t and s together (ring attention) on the mesh axes of q's sequence, else of k's,
     if ring attention can compute the call on them; otherwise XLA gathers the sequence."""
     for slot in ("q", "k"):
-      layout = self.config.layout(slot)
-      row = next(i for i, (role, _) in enumerate(layout) if role == ROW)
-      mesh_axes = specs[slot][row]
+      mesh_axes = specs[slot][role_axis(self.config.layout(slot), ROW)]
       if mesh_axes:
         break
     else:
@@ -271,16 +269,12 @@ def _partition(inputs: Sequence[str], results: Sequence[str], local_call, ring_c
   return partition
 
 
-def _row_axis(config: KernelConfig, slot: str) -> int:
-  return next(i for i, (role, _) in enumerate(config.layout(slot)) if role == ROW)
-
-
 def _reorder(ring: ring_lib.Ring, x, slot: str, permute):
   """x (of `slot`) through permute (to_zigzag or from_zigzag) when the ring runs in zig-zag
   order; the contiguous order needs none."""
   if ring.order != "zigzag":
     return x
-  return permute(x, _row_axis(ring.config, slot), ring.axis_name)
+  return permute(x, role_axis(ring.config.layout(slot), ROW), ring.axis_name)
 
 
 def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):

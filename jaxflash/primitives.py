@@ -37,7 +37,7 @@ def _eager(primitive):
 
 forward_p = core.Primitive("jaxflash_fwd")
 forward_p.multiple_results = True
-forward_p.def_abstract_eval(lambda q, k, v, bias, *rest, config: forward_avals(q, bias, config))
+forward_p.def_abstract_eval(lambda q, *rest, config: forward_avals(q, config))
 forward_p.def_impl(_eager(forward_p))
 
 

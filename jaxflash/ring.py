@@ -47,13 +47,10 @@ from jax import lax
 
 from jaxflash import kernels
 from jaxflash.kernels import KernelConfig, UNBOUNDED
-from jaxflash.layout import COL, ROW, Layout
+from jaxflash.layout import COL, ROW, Layout, role_axis, shape_of, with_rows
 
 Order = Literal["contiguous", "zigzag"]
 AxisName = str | tuple[str, ...]
-
-# The slots whose rows run along the queries; the others' (k, v, dk, dv) run along the keys.
-QUERY_ROWS = ("q", "o", "lse", "d_o", "delta", "dq")
 
 OPEN = (UNBOUNDED, UNBOUNDED)  # KernelConfig.window of full attention
 CAUSAL = (UNBOUNDED, 0)
@@ -70,10 +67,6 @@ def unsupported(config: KernelConfig) -> str | None:
     what = "causal attention" if config.window == CAUSAL else "a local window"
     return f"{what} needs equal query and key lengths, got {T} and {S}"
   return None
-
-
-def _row_axis(layout: Layout) -> int:
-  return next(i for i, (role, _) in enumerate(layout) if role == ROW)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +180,8 @@ class Ring:
 
   def task_config(self, task: Task, config: KernelConfig | None = None) -> KernelConfig:
     config = config or self.config
-    layouts = {}
-    for slot, layout in config.layouts:
-      rows = task.tq if slot in QUERY_ROWS else task.tk
-      layouts[slot] = tuple((role, rows if role == ROW else size) for role, size in layout)
+    layouts = {slot: with_rows(layout, task.tq if slot in kernels.QUERY_ROW_SLOTS else task.tk)
+               for slot, layout in config.layouts}
     # Positions are the task's own (the lengths are equal, and there are no length operands).
     return config.replace(seq_dims=(task.tq, task.tk, config.seq_dims[2]), window=task.window,
                           diagonal=task.diagonal,
@@ -228,12 +219,12 @@ def _varying_like(tree, like):
 
 
 def _rows(x, layout: Layout, start: int, size: int):
-  return lax.slice_in_dim(x, start, start + size, axis=_row_axis(layout))
+  return lax.slice_in_dim(x, start, start + size, axis=role_axis(layout, ROW))
 
 
 def _pad_rows(x, layout: Layout, start: int, total: int, value):
   """x's rows placed at [start, start + rows) of `total` rows, the rest `value`."""
-  axis = _row_axis(layout)
+  axis = role_axis(layout, ROW)
   config = [(0, 0, 0)] * x.ndim
   config[axis] = (start, total - start - x.shape[axis], 0)
   return lax.pad(x, jnp.asarray(value, x.dtype), config)
@@ -243,17 +234,13 @@ def _absent_operands(dtype):
   return tuple(kernels.absent(slot, dtype) for slot in ("bias", "mask", "q_lens", "kv_lens", "seed"))
 
 
-def _shape(layout: Layout, rows: int) -> tuple[int, ...]:
-  return tuple(rows if role == ROW else size for role, size in layout)
-
-
 def _zeros(layout: Layout, rows: int):
-  return jnp.zeros(_shape(layout, rows), jnp.float32)
+  return jnp.zeros(shape_of(with_rows(layout, rows)), jnp.float32)
 
 
 def _update_rows(x, layout: Layout, span: Span, update):
   """x with rows [span) replaced by update(those rows)."""
-  axis = _row_axis(layout)
+  axis = role_axis(layout, ROW)
   lo, hi = span
   if (lo, hi) == (0, x.shape[axis]):
     return update(x)
@@ -266,8 +253,7 @@ def _merge(acc, part, o_layout: Layout):
   (o_a, lse_a), (o_b, lse_b) = acc, part
   lse = jnp.logaddexp(lse_a, lse_b)
   base = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows that see no key yet stay 0 / -inf
-  col = next(i for i, (role, _) in enumerate(o_layout) if role == COL)
-  weight = lambda l: jnp.expand_dims(jnp.exp(l - base), col)
+  weight = lambda l: jnp.expand_dims(jnp.exp(l - base), role_axis(o_layout, COL))
   return o_a * weight(lse_a) + o_b * weight(lse_b), lse
 
 
@@ -315,7 +301,7 @@ def forward(q, k, v, ring: Ring):
                 _pad_rows(lse_part, lse_layout, task.q0 - lo, hi - lo, -jnp.inf))
 
       idle = lambda: (_zeros(o_layout, hi - lo),
-                      jnp.full(_shape(lse_layout, hi - lo), -jnp.inf, jnp.float32))
+                      jnp.full(shape_of(with_rows(lse_layout, hi - lo)), -jnp.inf, jnp.float32))
       o_part, lse_part = _step_call(ring, ring_pass, step, branches, compute, idle, block,
                                     block_rows)
       if o is None:  # the first step: the local block, all rows (plan())

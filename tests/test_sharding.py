@@ -358,7 +358,7 @@ def test_diagonal_offset_places_blocks_in_one_sequence(q_start, k_start, window,
         None, False).config.replace(diagonal=q_start - k_start)
     o32, lse = kernels.forward_kernel_p.bind(
         q, k, v, *absent(q.dtype), config=config.replace(flags=config.flags | kernels.OUTPUT_F32))
-    delta = _delta(d_o, o32, tf32=reference.baseline_uses_tf32(backend, q.dtype))
+    delta = _delta(d_o, o32, config)
     dq, dk, dv, _, _ = kernels.backward_kernel_p.bind(
         q, k, v, *absent(q.dtype), lse, delta, d_o,
         config=config.with_layouts(_gradient_layouts(config)))
