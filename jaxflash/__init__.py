@@ -20,13 +20,14 @@ Public API:
 and times it; README.md covers installation, and docs/DESIGN.md the design.
 """
 
+# Before the imports below: jaxflash.native checks the extension against it.
+__version__ = "0.1.0"
+
 from jaxflash.attention import attention, ring_attention
 from jaxflash.dropout import dropout_mask
 from jaxflash.flax_adapter import flax_attention
 from jaxflash.kernels import PLATFORMS
 from jaxflash.ring import zigzag_order
-
-__version__ = "0.1.0"
 
 
 def backends() -> tuple[str, ...]:

@@ -28,8 +28,10 @@ from jax.extend import core
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflash import _native
+from jaxflash import __version__, native
 from jaxflash.layout import Layout, col_minor_order, packed_strides, shape_of
+
+_native = native.load(__version__)
 
 # Bits of AttentionParams::flags (cuda/params.h).
 HAS_BIAS = 1 << 0

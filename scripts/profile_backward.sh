@@ -11,10 +11,10 @@ OUT=${OUT:-/tmp/jaxflash_out}
 BUILD=${BUILD:-/tmp/bwd_profile}  # EXTRA_FLAGS: more nvcc flags, e.g. -DJAXFLASH_BWD_NO_BULK
 mkdir -p "$OUT" "$BUILD"
 cd "$(dirname "$0")/.."
-flags="-std=c++17 -O3 --use_fast_math -gencode=arch=compute_90a,code=sm_90a -I. ${EXTRA_FLAGS:-}"
-ls cuda/gpu/tests/bwd_selftest.cu cuda/gpu/backward.cu cuda/gpu/instantiations/bwd_*.cu |
-  xargs -P 16 -I{} sh -c "nvcc $flags -c {} -o $BUILD/\$(basename {}).o"
-nvcc $flags "$BUILD"/*.o -o "$BUILD/bwd_selftest"
+# RelWithDebInfo: -lineinfo, so that Nsight Compute maps the profile to source lines.
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DJAXFLASH_CUDA=ON \
+  -DJAXFLASH_CUDA_ARCHITECTURES=90a -DJAXFLASH_BUILD_SELFTESTS=ON -DCMAKE_CUDA_FLAGS="${EXTRA_FLAGS:-}" >/dev/null
+cmake --build "$BUILD" -j 16 --target bwd_selftest
 "$BUILD/bwd_selftest" bench-only "${@:1:3}"
 if [ "${4:-}" = ncu ]; then
   ncu --set full -k regex:backward_kernel -c 1 -o "$OUT/backward_$1_$2_$3" -f \

@@ -18,6 +18,10 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
   if (status == cudaErrorInvalidValue)
     return ffi::Error::InvalidArgument(std::string("jaxflash: the CUDA ") + what +
                                        " kernel does not support this call (see docs/DESIGN.md)");
+  if (status == cudaErrorNoKernelImageForDevice)
+    return ffi::Error::Internal(std::string("jaxflash: this build's CUDA kernels are for ") +
+                                JAXFLASH_CUDA_ARCHITECTURES + ", not for this GPU: reinstall jaxflash on a machine "
+                                "that sees this GPU, or with JAXFLASH_CUDA_ARCHITECTURES naming its architecture");
   return ffi::Error::Internal(std::string("jaxflash: CUDA ") + what + " launch failed: " +
                               cudaGetErrorString(status));
 }

@@ -19,6 +19,15 @@ nb::capsule as_capsule(Fn* fn) {
 }  // namespace
 
 NB_MODULE(_native, m) {
+  // What this build is, for jaxflash.native's check that the Python sources
+  // match the extension and for `python -m jaxflash`'s report.
+  m.attr("version") = JAXFLASH_VERSION;
+  m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+#ifdef JAXFLASH_WITH_CUDA
+  m.attr("cuda_architectures") = JAXFLASH_CUDA_ARCHITECTURES;
+#else
+  m.attr("cuda_architectures") = "";
+#endif
   m.def("cpu_targets", []() {
     nb::dict targets;
     targets["jaxflash_fwd"] = as_capsule(jaxflash::jaxflash_forward_cpu);

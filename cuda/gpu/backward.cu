@@ -7,7 +7,7 @@
 //              then dbias when asked for (bwd_dbias.h)
 //   post-pass: dq = scale * dQ accumulator, in dtype (0 for rows >= q_len)
 // The main / dbias kernels are instantiated per (dtype, head dim) in
-// instantiations/bwd_*.cu; the pre / post passes depend on the dtype only.
+// generated instances (cmake/cuda.cmake); the pre / post passes depend on the dtype only.
 #include "backward.h"
 
 #include <cuda_bf16.h>
@@ -24,7 +24,7 @@
 
 namespace jaxflash::gpu {
 
-// Defined in instantiations/bwd_<dtype>_d<D>.cu (3xTF32: bwd_f32x3_d<D>.cu).
+// Defined in the generated bwd_<dtype>_d<D>.cu (3xTF32: bwd_f32x3_d<D>.cu; cmake/cuda.cmake).
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream);
 

@@ -1,6 +1,7 @@
 // Launcher of one (dtype, padded head dim) instantiation of the backward's
-// main kernels (mma.sync, and sm_90 where it covers the case) and dbias kernel. Included only by instantiations/bwd_*.cu, one per
-// pair, so the heavy template instantiations build in parallel; backward.cu
+// main kernels (mma.sync, and sm_90 where it covers the case) and dbias kernel.
+// Included only by the generated instances (cuda/gpu/instance.cu.in, one per
+// pair), so the heavy template instantiations build in parallel; backward.cu
 // validates, runs the pre / post passes and dispatches here.
 #pragma once
 

@@ -1,5 +1,6 @@
 // Validation, launch-time constants and the (dtype, head dim) dispatch of the
-// forward pass. The kernels themselves are instantiated in instantiations/.
+// forward pass. The kernels themselves are instantiated in generated
+// translation units (cmake/cuda.cmake).
 #include "forward.h"
 
 #include <cuda_bf16.h>
@@ -13,7 +14,7 @@
 
 namespace jaxflash::gpu {
 
-// Defined in instantiations/fwd_<dtype>_d<D>.cu (3xTF32: fwd_f32x3_d<D>.cu).
+// Defined in the generated fwd_<dtype>_d<D>.cu (3xTF32: fwd_f32x3_d<D>.cu; cmake/cuda.cmake).
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream);
 

@@ -1,5 +1,5 @@
 // Launcher of one (dtype, padded head dim) instantiation of the forward kernel.
-// Included only by the instantiations/*.cu files, one per pair, so the heavy
+// Included only by the generated instances (cuda/gpu/instance.cu.in), one per pair, so the heavy
 // template instantiations build in parallel; forward.cu dispatches to them.
 #pragma once
 

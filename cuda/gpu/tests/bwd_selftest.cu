@@ -10,14 +10,13 @@
 // the test does not depend on the forward kernel. Like the FFI handler, every
 // case passes delta = rowsum(dO o O) - dlse (from the exact output) and no o.
 //
-// Build (from the repository root):
-//   nvcc -std=c++17 -O3 --use_fast_math -gencode=arch=compute_80,code=sm_80 \
-//        -gencode=arch=compute_90a,code=sm_90a -I. -o /tmp/bwd_selftest \
-//        cuda/gpu/tests/bwd_selftest.cu cuda/gpu/backward.cu cuda/gpu/instantiations/bwd_*.cu
-// Run: /tmp/bwd_selftest          correctness + determinism, exit status 0 iff all pass
-//      /tmp/bwd_selftest bench    also time the bf16 backward at FlashAttention's benchmark shapes
-//      /tmp/bwd_selftest quick    correctness only (for compute-sanitizer)
-//      /tmp/bwd_selftest bench-only [D N causal|full]
+// Build (from the repository root; cmake/cuda.cmake's JAXFLASH_BUILD_SELFTESTS):
+//   cmake -S . -B /tmp/selftests -DJAXFLASH_CUDA=ON -DJAXFLASH_CUDA_ARCHITECTURES=90a \
+//         -DJAXFLASH_BUILD_SELFTESTS=ON && cmake --build /tmp/selftests --target bwd_selftest
+// Run: /tmp/selftests/bwd_selftest          correctness + determinism, exit status 0 iff all pass
+//      /tmp/selftests/bwd_selftest bench    also time the bf16 backward at FlashAttention's benchmark shapes
+//      /tmp/selftests/bwd_selftest quick    correctness only (for compute-sanitizer)
+//      /tmp/selftests/bwd_selftest bench-only [D N causal|full]
 //                                 only the timing, optionally of one shape (e.g. for ncu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

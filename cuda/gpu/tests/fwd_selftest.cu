@@ -4,12 +4,12 @@
 // and mask, sequence lengths, unaligned rows, every padded head dim, f32 (tf32
 // MMAs) and f32 with kExactF32 (3xTF32, held to fp32 accuracy).
 //
-// Build (from the repository root):
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o fwd_selftest \
-//        cuda/gpu/tests/fwd_selftest.cu cuda/gpu/forward.cu cuda/gpu/instantiations/fwd_*.cu
-// Run: ./fwd_selftest          correctness cases, exit status 0 iff all pass
-//      ./fwd_selftest bench    also time bf16 forward at FlashAttention's benchmark shapes
-//      ./fwd_selftest WORD     only the cases whose name contains WORD (e.g. under compute-sanitizer)
+// Build (from the repository root; cmake/cuda.cmake's JAXFLASH_BUILD_SELFTESTS):
+//   cmake -S . -B /tmp/selftests -DJAXFLASH_CUDA=ON -DJAXFLASH_CUDA_ARCHITECTURES=90a \
+//         -DJAXFLASH_BUILD_SELFTESTS=ON && cmake --build /tmp/selftests --target fwd_selftest
+// Run: /tmp/selftests/fwd_selftest          correctness cases, exit status 0 iff all pass
+//      /tmp/selftests/fwd_selftest bench    also time bf16 forward at FlashAttention's benchmark shapes
+//      /tmp/selftests/fwd_selftest WORD     only the cases whose name contains WORD (e.g. under compute-sanitizer)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -1,7 +1,0 @@
-// Backward kernels (main + dbias) for dtype f16, padded head dim 256: one
-// translation unit per pair so the builds run in parallel.
-#include "../bwd_launch.h"
-
-namespace jaxflash::gpu {
-template cudaError_t launch_backward_instance<__half, 256>(const AttentionParams&, const BwdRuntime&, cudaStream_t);
-}  // namespace jaxflash::gpu

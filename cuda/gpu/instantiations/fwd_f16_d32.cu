@@ -1,7 +1,0 @@
-// Forward kernel for dtype f16, padded head dim 32: one translation unit per
-// pair so the builds run in parallel.
-#include "../fwd_launch.h"
-
-namespace jaxflash::gpu {
-template cudaError_t launch_forward_instance<__half, 32>(const AttentionParams&, const FwdRuntime&, cudaStream_t);
-}  // namespace jaxflash::gpu
