@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen
 
 import jaxflash
-from jaxflash.bench import inputs, measure
+from jaxflash.bench import attention_flops, inputs, measure
 
 
 def flax_xla_dropout(rate, rng):
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
       qkv = inputs(jax.random.key(n), batch, n, heads, head_dim, jnp.bfloat16)
       for causal in (False, True):
         for backward in (False, True):
-          flops = 4 * batch * heads * n * n * head_dim * (0.5 if causal else 1) * (3.5 if backward else 1)
+          flops = attention_flops(batch, n, heads, head_dim, causal=causal, backward=backward)
           rates = {}
           for name, fn in paths.items():
             if name.startswith("flax") and n > args.xla_max_seqlen:

@@ -43,8 +43,9 @@ struct ArrayView {
   int64_t col_stride = 0;
 };
 
-// Bits of AttentionParams::flags. The presence of optional operands is also
-// visible as data != nullptr; the flags let handlers cross-check the two.
+// Bits of AttentionParams::flags (jaxflash/contract.py's Flag). The presence of
+// optional operands is also visible as data != nullptr; the flags let handlers
+// cross-check the two.
 enum Flags : int64_t {
   kHasBias = 1 << 0,
   kHasMask = 1 << 1,

@@ -1,6 +1,8 @@
 """python -m jaxflash: is jaxflash right on this machine, and how fast is it?
 
-Runs on the backend JAX picked (the GPU if there is one, else the CPU):
+Runs on the backend JAX picked (the GPU if there is one, else the CPU), after a header that
+says what this build of jaxflash is (its version, the CUDA architectures its kernels were built
+for, the XLA FFI API it was built against) and what JAX runs on:
 
 1. a self-check: jaxflash against jax.nn.dot_product_attention on a few configurations in each
    of float32, float16 and bfloat16, forward and gradients. Each result is held to
@@ -8,11 +10,16 @@ Runs on the backend JAX picked (the GPU if there is one, else the CPU):
    jax.nn's own error in the input dtype, plus a small atol (jaxflash/accuracy.py). One
    PASS/FAIL line per configuration, with the error and the allowed error of each output;
 2. a speed and memory table: jaxflash, jax.nn's XLA path and, on a GPU, jax.nn's cuDNN path,
-   jitted and timed side by side in this process, forward and forward+backward: median time,
-   TFLOP/s, the compiled program's memory footprint, and jaxflash's speedup over each;
+   jitted and timed side by side in this process, forward and forward+backward (causal
+   attention with --causal): median and fastest time, FLOP/s (bench.attention_flops; in
+   TFLOP/s, or GFLOP/s where TFLOP/s would read 0.0), the compiled program's memory footprint,
+   and jaxflash's speedup over each (of the medians);
 3. with --plot DIR (or --scaling), two more sweeps: the number of heads and the batch size
-   grow at a fixed sequence length. --plot writes PNG plots: TFLOP/s and memory against
+   grow at a fixed sequence length. --plot writes PNG plots: FLOP/s and memory against
    sequence length, and the scaling with heads and batch (needs matplotlib).
+
+--json FILE also writes all of it, machine-readable: the build, JAX and the device, the
+options, every self-check result and every timing cell.
 
 Most of a run is compiling: one program per path, shape and direction, so the defaults, chosen
 per backend, keep the shapes few and finish in about a minute. The exit status is 0 when every
@@ -24,21 +31,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import jaxflash
-from jaxflash import bench
+from jaxflash import bench, kernels
 from jaxflash.accuracy import error_bound, max_abs_error
 
 # (name, q shape BTNH, kv shape BSKH, keyword arguments, with "bias" a shape); no row is fully
@@ -57,13 +67,17 @@ CHECK_RESULTS = ("out", "dq", "dk", "dv", "dbias")
 # four sequence lengths, and the sweeps share the table's batch and heads, so that one point of
 # each is a table cell already. The CPU's kernels run at GFLOP/s: it gets short sequences, and
 # jax.nn's XLA path, which stores the T×S logits, a limit. A max_xla_seqlen of None: no limit.
+# The CPU times a call of a few milliseconds anywhere from 1x to 2x of its fastest (other work
+# on the cores, caches): with 3 runs a cell's speedup swung from 0.6x to 2.2x between runs of
+# this command; with 100 it repeats within about 10% (no closer with 200), and a default run
+# takes about 30 s on two cores, half of it timing.
 DEFAULTS = {
     "gpu": dict(seqlens=(512, 1024, 2048, 4096), batch=2, heads=16, head_dim=128,
                 dtype="bfloat16", repeats=10, max_xla_seqlen=None, heads_sweep=(4, 8, 16, 32),
                 batch_sweep=(1, 2, 4, 8), sweep_seqlen=2048),
     "cpu": dict(seqlens=(256, 512, 1024), batch=1, heads=4, head_dim=64, dtype="float32",
-                repeats=3, max_xla_seqlen=4096, heads_sweep=(1, 2, 4, 8), batch_sweep=(1, 2, 4),
-                sweep_seqlen=256),
+                repeats=100, max_xla_seqlen=4096, heads_sweep=(1, 2, 4, 8),
+                batch_sweep=(1, 2, 4), sweep_seqlen=256),
 }
 
 # jaxflash's CUDA kernels serve JAX's "gpu" backend; its CPU kernels the "cpu" backend.
@@ -125,18 +139,27 @@ def _run_jax_nn(options, inputs):
     return _output_and_grads(jax.nn.dot_product_attention, options)(*inputs)
 
 
-def self_check(progress: Progress) -> tuple[bool, Table]:
-  """Every CHECKS configuration in each CHECK_DTYPES dtype: (all passed, the result table)."""
-  table = Table(title=f"self-check on {_device_name()}: jaxflash against jax.nn.dot_product_"
-                      "attention, forward and gradients", title_justify="left",
-                caption="cells: jaxflash's max |error| / the allowed error, against a float32 "
-                        "reference; allowed: 2 x jax.nn's own error in the dtype + atol",
-                caption_justify="left")
-  for column in ("", "dtype", "configuration", *CHECK_RESULTS):
-    table.add_column(column)
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+  """One CHECKS configuration in one dtype: per output (of CHECK_RESULTS, those it has)
+  jaxflash's max |error| against a float32 reference, and the error allowed."""
+  dtype: str
+  configuration: str
+  q_shape: tuple[int, ...]
+  kv_shape: tuple[int, ...]
+  options: dict  # CHECKS' keyword arguments, "bias" a shape
+  errors: dict[str, tuple[float, float]]  # output -> (error, allowed)
+
+  @property
+  def passed(self) -> bool:
+    return all(error <= allowed for error, allowed in self.errors.values())
+
+
+def self_check(progress: Progress) -> list[CheckResult]:
+  """Every CHECKS configuration in each CHECK_DTYPES dtype."""
   task = progress.add_task("self-check", total=len(CHECK_DTYPES) * len(CHECKS))
   upcast = lambda x: None if x is None else x.astype(np.float32)
-  all_passed = True
+  results = []
   for dtype in CHECK_DTYPES:
     for seed, (name, q_shape, kv_shape, kwargs) in enumerate(CHECKS):
       progress.update(task, description=f"self-check: {dtype}, {name}")
@@ -146,39 +169,58 @@ def self_check(progress: Progress) -> tuple[bool, Table]:
       baseline = _run_jax_nn(options, inputs)
       with jax.default_matmul_precision("highest"):
         reference = _run_jax_nn(options, tuple(map(upcast, inputs)))
-      cells, passed = [], True
-      for x, b, r in zip(ours, baseline, reference):
-        error, allowed = max_abs_error(x, r), error_bound(r, b, dtype)
-        passed &= error <= allowed
-        cells.append(f"{error:.1e} / {allowed:.1e}" if error <= allowed
-                     else f"[bold red]{error:.1e}[/] / {allowed:.1e}")
-      cells += ["-"] * (len(CHECK_RESULTS) - len(cells))
-      all_passed &= passed
-      table.add_row("[green]PASS[/]" if passed else "[bold red]FAIL[/]", dtype, name, *cells)
+      errors = {output: (max_abs_error(x, r), error_bound(r, b, dtype))
+                for output, x, b, r in zip(CHECK_RESULTS, ours, baseline, reference)}
+      results.append(CheckResult(dtype, name, q_shape, kv_shape, kwargs, errors))
       progress.advance(task)
-  return all_passed, table
+  return results
+
+
+def check_table(results: list[CheckResult]) -> Table:
+  """One PASS/FAIL row per result: each output's error / the allowed error."""
+  table = Table(title=f"self-check on {_device_name()}: jaxflash against jax.nn.dot_product_"
+                      "attention, forward and gradients", title_justify="left",
+                caption="cells: jaxflash's max |error| / the allowed error, against a float32 "
+                        "reference; allowed: 2 x jax.nn's own error in the dtype + atol",
+                caption_justify="left")
+  for column in ("", "dtype", "configuration", *CHECK_RESULTS):
+    table.add_column(column)
+  for result in results:
+    cells = []
+    for output in CHECK_RESULTS:
+      if output not in result.errors:
+        cells.append("-")
+        continue
+      error, allowed = result.errors[output]
+      cells.append(f"{error:.1e} / {allowed:.1e}" if error <= allowed
+                   else f"[bold red]{error:.1e}[/] / {allowed:.1e}")
+    table.add_row("[green]PASS[/]" if result.passed else "[bold red]FAIL[/]", result.dtype,
+                  result.configuration, *cells)
+  return table
 
 
 # ---------------------------------------------------------------- benchmarks
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-  """One path timed at one shape and direction; seconds and mib are None when it did not run,
-  and status then says why for the table ("skipped", "OOM" or "-")."""
+  """One path timed at one shape and direction: the median and the fastest of its timed runs
+  and the compiled program's footprint; these are None when it did not run, and status then
+  says why for the table ("skipped", "OOM" or "-"). flops: bench.attention_flops."""
   path: str
   batch: int
   seqlen: int
   heads: int
   backward: bool
-  seconds: float | None
-  mib: float | None
+  flops: float
+  seconds: float | None = None
+  min_seconds: float | None = None
+  mib: float | None = None
   status: str = ""
-  tflops: float | None = None
 
-
-def attention_flops(batch, seqlen, heads, head_dim, backward) -> float:
-  """FlashAttention's count: 4·B·H·N²·D forward, 3.5x that for forward + backward."""
-  return 4.0 * batch * heads * seqlen * seqlen * head_dim * (3.5 if backward else 1.0)
+  @property
+  def flop_per_s(self) -> float | None:
+    """Of the median time."""
+    return self.flops / self.seconds if self.seconds else None
 
 
 def _is_out_of_memory(error: Exception) -> bool:
@@ -217,20 +259,22 @@ class Benchmark:
     return [self.measured[(path, *point)] for point in points for path in self.paths]
 
   def _measure(self, path, batch, seqlen, heads, backward, qkv) -> Measurement:
-    cell = functools.partial(Measurement, path, batch, seqlen, heads, backward)
+    causal = self.args.causal
+    cell = functools.partial(Measurement, path, batch, seqlen, heads, backward,
+                             bench.attention_flops(batch, seqlen, heads, self.args.head_dim,
+                                                   causal=causal, backward=backward))
     max_xla = self.args.max_xla_seqlen
     if path == "xla" and max_xla is not None and seqlen > max_xla:
-      return cell(None, None, "skipped")  # T×S logits per head: slow and large
-    program = bench.compiled(self.paths[path], backward, causal=False)
+      return cell(status="skipped")  # T×S logits per head: slow and large
+    program = bench.compiled(self.paths[path], backward, causal)
     try:
-      seconds = bench.median_seconds(program, qkv, self.args.repeats)
+      times = bench.run_seconds(program, qkv, self.args.repeats)
       footprint = bench.footprint_bytes(program, qkv)
     except Exception as error:  # noqa: BLE001 - out of memory, or a case the path cannot run
       self.failures.setdefault(PATH_LABELS[path],
                                f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
-      return cell(None, None, "OOM" if _is_out_of_memory(error) else "-")
-    flops = attention_flops(batch, seqlen, heads, self.args.head_dim, backward)
-    return cell(seconds, footprint / 2**20, tflops=flops / seconds / 1e12)
+      return cell(status="OOM" if _is_out_of_memory(error) else "-")
+    return cell(statistics.median(times), min(times), footprint / 2**20)
 
 
 def _direction(backward: bool) -> str:
@@ -250,17 +294,26 @@ def _mib_text(mib: float) -> str:
   return f"{mib:,.0f}" if mib >= 10 else f"{mib:.1f}"
 
 
+def rate_unit(measurements) -> tuple[str, float]:
+  """The unit the FLOP/s of these measurements are shown in, and its size in FLOP/s: TFLOP/s,
+  or GFLOP/s where the fastest would read below 1 TFLOP/s (a CPU's kernels)."""
+  fastest = max((m.flop_per_s for m in measurements if m.flop_per_s), default=0.0)
+  return ("TFLOP/s", 1e12) if fastest >= 1e12 else ("GFLOP/s", 1e9)
+
+
 def speed_table(measurements, varying: str, title: str, caption: str | None = None) -> Table:
   """One row per direction and value of `varying` ("seqlen", "heads" or "batch"); per path its
-  time, TFLOP/s and memory, then jaxflash's speedup over each other path."""
+  median and fastest time, FLOP/s (in rate_unit's unit) and memory, then jaxflash's speedup
+  over each other path (of the median times)."""
   paths = list(dict.fromkeys(m.path for m in measurements))
   others = [path for path in paths if path != "jaxflash"]
+  rate_name, rate_size = rate_unit(measurements)
   table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
   table.add_column("direction")
   table.add_column({"seqlen": "N", "heads": "heads", "batch": "batch"}[varying], justify="right")
   for path in paths:
     style = "bold" if path == "jaxflash" else None
-    for unit in ("ms", "TFLOP/s", "MiB"):
+    for unit in ("ms", "min ms", rate_name, "MiB"):
       table.add_column(f"{PATH_LABELS[path]}\n{unit}", justify="right", style=style)
   for path in others:
     table.add_column(f"speedup\nvs {PATH_LABELS[path]}", justify="right")
@@ -275,8 +328,9 @@ def speed_table(measurements, varying: str, title: str, caption: str | None = No
     cells = [_direction(backward), str(value)]
     for path in paths:
       m = by_path[path]
-      cells += ([_ms_text(m.seconds * 1e3), f"{m.tflops:.3g}", _mib_text(m.mib)] if m.seconds
-                else [m.status, "-", "-"])
+      cells += ([_ms_text(m.seconds * 1e3), _ms_text(m.min_seconds * 1e3),
+                 f"{m.flop_per_s / rate_size:.3g}", _mib_text(m.mib)] if m.seconds
+                else [m.status, "-", "-", "-"])
     ours = by_path["jaxflash"].seconds
     for path in others:
       theirs = by_path[path].seconds
@@ -306,16 +360,18 @@ def write_plots(plt, directory, by_seqlen, by_heads, by_batch, args) -> list[str
   """tflops_vs_seqlen.png, memory_vs_seqlen.png and scaling.png in directory; their paths."""
   from matplotlib.ticker import FuncFormatter  # matplotlib is there: main imported it
 
-  setting = f"{_device_name()}, {args.dtype.name}, head dim {args.head_dim}"
+  setting = (f"{_device_name()}, {args.dtype.name}, head dim {args.head_dim}"
+             f"{', causal' if args.causal else ''}")
   paths = list(dict.fromkeys(m.path for m in by_seqlen))
   colors = {path: f"C{i}" for i, path in enumerate(paths)}
   written = []
 
-  def lines(ax, measurements, varying, quantity, backward, ylabel, log_y=False):
-    """One line per path; a path's cells that did not run are named in its legend entry."""
+  def lines(ax, measurements, varying, value, backward, ylabel, log_y=False):
+    """One line per path of value(measurement); a path's cells that did not run are named in
+    its legend entry."""
     for path in paths:
       mine = [m for m in measurements if m.path == path and m.backward == backward]
-      points = [(getattr(m, varying), getattr(m, quantity)) for m in mine if m.seconds]
+      points = [(getattr(m, varying), value(m)) for m in mine if m.seconds]
       missing = [f"{m.status} at {getattr(m, varying)}" for m in mine if not m.seconds]
       label = PATH_LABELS[path] + (f" ({', '.join(missing)})" if missing else "")
       if points:
@@ -345,24 +401,31 @@ def write_plots(plt, directory, by_seqlen, by_heads, by_batch, args) -> list[str
     plt.close(fig)
     written.append(path)
 
+  def rate(measurements):
+    """The value function and axis label of FLOP/s in rate_unit's unit."""
+    name, size = rate_unit(measurements)
+    return lambda m: m.flop_per_s / size, name
+
   shape = f"batch {args.batch}, {args.heads} heads"
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+  value, unit = rate(by_seqlen)
   for ax, backward in zip(axes, (False, True)):
-    lines(ax, by_seqlen, "seqlen", "tflops", backward, "TFLOP/s")
+    lines(ax, by_seqlen, "seqlen", value, backward, unit)
     ax.set_title("forward + backward" if backward else "forward")
   save(fig, "tflops_vs_seqlen.png", f"attention throughput: {shape}; {setting}")
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   for ax, backward in zip(axes, (False, True)):
-    lines(ax, by_seqlen, "seqlen", "mib", backward, "MiB (compiled program's footprint)",
+    lines(ax, by_seqlen, "seqlen", lambda m: m.mib, backward, "MiB (compiled program's footprint)",
           log_y=True)
     ax.set_title("forward + backward" if backward else "forward")
   save(fig, "memory_vs_seqlen.png", f"attention memory: {shape}; {setting}")
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-  lines(axes[0], by_heads, "heads", "tflops", True, "TFLOP/s (fwd+bwd)")
+  value, unit = rate(by_heads + by_batch)
+  lines(axes[0], by_heads, "heads", value, True, f"{unit} (fwd+bwd)")
   axes[0].set_title(f"more heads, batch {args.batch}")
-  lines(axes[1], by_batch, "batch", "tflops", True, "TFLOP/s (fwd+bwd)")
+  lines(axes[1], by_batch, "batch", value, True, f"{unit} (fwd+bwd)")
   axes[1].set_title(f"larger batch, {args.heads} heads")
   save(fig, "scaling.png", f"scaling at sequence length {args.sweep_seqlen}; {setting}")
   return written
@@ -405,6 +468,7 @@ examples:
   python -m jaxflash --skip-check --plot plots  the table, the sweeps and three PNG plots
   python -m jaxflash --skip-bench               the self-check alone (exit status 0 = passed)
   python -m jaxflash --seqlens 4096,16384 --head-dim 64 --dtype float16
+  python -m jaxflash --causal --json run.json   causal attention; all results also in run.json
   JAX_PLATFORMS=cpu python -m jaxflash          the CPU kernels on a machine with a GPU
 """
 
@@ -418,6 +482,9 @@ def parse_args(argv) -> argparse.Namespace:
                      help="skip the self-check (the exit status is then 0)")
   check.add_argument("--skip-bench", action="store_true",
                      help="skip the speed and memory table (cannot go with --plot or --scaling)")
+  check.add_argument("--json", metavar="FILE",
+                     help="also write the results to FILE as JSON: the build, JAX and the "
+                          "device, the options, every self-check result and every timing cell")
   shape = parser.add_argument_group("speed and memory table")
   shape.add_argument("--seqlens", type=_int_list, metavar="N,N,...",
                      help="sequence lengths of the table, queries and keys alike; each is one "
@@ -428,12 +495,14 @@ def parse_args(argv) -> argparse.Namespace:
                      help="attention heads (queries and keys alike) " + _default_text("heads"))
   shape.add_argument("--head-dim", type=_positive_int, metavar="D",
                      help="head dimension, up to 256 " + _default_text("head_dim"))
+  shape.add_argument("--causal", action="store_true",
+                     help="time causal attention (its FLOPs are half of full attention's)")
   shape.add_argument("--dtype", choices=CHECK_DTYPES,
                      help="dtype of the table and the plots; the self-check runs all three "
                           + _default_text("dtype"))
   shape.add_argument("--repeats", type=_positive_int, metavar="R",
                      help="timed runs per cell after the one that compiles; the table shows "
-                          "their median " + _default_text("repeats"))
+                          "their median and the fastest " + _default_text("repeats"))
   shape.add_argument("--max-xla-seqlen", type=_positive_int, metavar="N",
                      help="longest sequence jax.nn's XLA path is run at: it stores the T×S "
                           "logits, slow and large on a CPU; longer cells show 'skipped' (a cell "
@@ -455,6 +524,8 @@ def parse_args(argv) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.skip_bench and (args.plot or args.scaling):
     parser.error("--plot and --scaling need the benchmark: drop --skip-bench")
+  if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+    parser.error(f"--json: the directory of {args.json} does not exist")
   backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
   for name, value in DEFAULTS[backend].items():
     if getattr(args, name) is None:
@@ -463,35 +534,91 @@ def parse_args(argv) -> argparse.Namespace:
   return args
 
 
-def benchmark(args, progress: Progress, plt) -> None:
-  """The speed and memory table; with --plot or --scaling the sweeps, with --plot the plots."""
+def benchmark(args, progress: Progress, plt) -> list[Measurement]:
+  """The speed and memory table; with --plot or --scaling the sweeps, with --plot the plots.
+  Returns every cell measured (a sweep point that is a table cell once)."""
   runner = Benchmark(args, progress)
+  attention = "causal" if args.causal else "not causal"
   by_seqlen = runner.sweep([(args.batch, n, args.heads, backward)
                             for backward in (False, True) for n in args.seqlens],
                            "speed and memory")
+  rate_name, _ = rate_unit(by_seqlen)
   progress.console.print(speed_table(
       by_seqlen, "seqlen", f"speed and memory on {_device_name()}: batch {args.batch}, "
-      f"{args.heads} heads, {args.dtype.name}, head dim {args.head_dim}, not causal", caption=(
-          f"ms: median of {args.repeats} runs after a compiling one; TFLOP/s: 4·B·H·N²·D, "
-          "x3.5 for fwd+bwd; MiB: the compiled program's footprint (arguments + outputs + "
-          "temporaries); speedup: the other path's time / jaxflash's; skipped: N over "
-          "--max-xla-seqlen; OOM: out of memory")))
+      f"{args.heads} heads, {args.dtype.name}, head dim {args.head_dim}, {attention}", caption=(
+          f"ms: median and fastest of {args.repeats} runs after a compiling one; {rate_name}: "
+          f"4·B·H·N²·D{', halved (causal)' if args.causal else ''}, x3.5 for fwd+bwd, over the "
+          "median; MiB: the compiled program's footprint (arguments + outputs + temporaries); "
+          "speedup: the other path's median / jaxflash's; skipped: N over --max-xla-seqlen; "
+          "OOM: out of memory")))
   if args.plot or args.scaling:
     n = args.sweep_seqlen
     by_heads = runner.sweep([(args.batch, n, h, True) for h in args.heads_sweep],
                             "scaling with heads")
-    progress.console.print(speed_table(by_heads, "heads",
-                                       f"scaling with heads: N {n}, batch {args.batch}"))
+    progress.console.print(speed_table(
+        by_heads, "heads", f"scaling with heads: N {n}, batch {args.batch}, {attention}"))
     by_batch = runner.sweep([(b, n, args.heads, True) for b in args.batch_sweep],
                             "scaling with batch")
-    progress.console.print(speed_table(by_batch, "batch",
-                                       f"scaling with batch: N {n}, {args.heads} heads"))
+    progress.console.print(speed_table(
+        by_batch, "batch", f"scaling with batch: N {n}, {args.heads} heads, {attention}"))
   for label, message in runner.failures.items():
     progress.console.print(f"{label} did not run a cell ('-' or OOM above); its first error: "
                            f"{message}", markup=False)
   if plt is not None:
     for path in write_plots(plt, args.plot, by_seqlen, by_heads, by_batch, args):
       progress.console.print(f"wrote {path}")
+  return list(runner.measured.values())
+
+
+# ---------------------------------------------------------------- what ran, and where
+
+def build_header(build: dict) -> list[str]:
+  """What this build of jaxflash is (kernels.build_info()) and what JAX runs on."""
+  major, minor = build["ffi_api_version"]
+  return [f"jaxflash {jaxflash.__version__}: kernels for {', '.join(build['platforms'])}; CUDA "
+          f"architectures: {build['cuda_architectures'] or 'none (a CPU-only build)'}; built "
+          f"against XLA FFI API {major}.{minor}",
+          f"JAX {jax.__version__} (jaxlib {jaxlib.__version__}) on {jax.default_backend()}: "
+          f"{_device_name()}"]
+
+
+def _json_number(x: float | None) -> float | None:
+  """x, or None where JSON has no number for it (an error of inf: a NaN in an output)."""
+  return x if x is None or math.isfinite(x) else None
+
+
+def json_report(args, build: dict, checks: list[CheckResult] | None,
+                cells: list[Measurement] | None, seconds: float) -> dict:
+  """Everything a run found, for --json: None for a phase that was skipped."""
+  device = jax.devices()[0]
+  options = {name: value.name if isinstance(value, np.dtype) else value
+             for name, value in sorted(vars(args).items())}
+  report = {
+      "jaxflash": dict(version=jaxflash.__version__, backends=list(build["platforms"]),
+                       cuda_architectures=build["cuda_architectures"],
+                       ffi_api_version=".".join(map(str, build["ffi_api_version"]))),
+      "jax": dict(version=jax.__version__, jaxlib_version=jaxlib.__version__,
+                  backend=jax.default_backend()),
+      "device": dict(platform=device.platform, kind=device.device_kind, name=_device_name(),
+                     count=jax.device_count()),
+      "options": options, "self_check": None, "benchmark": None, "seconds": seconds,
+  }
+  if checks is not None:
+    report["self_check"] = dict(passed=all(c.passed for c in checks), results=[
+        dict(dtype=c.dtype, configuration=c.configuration, q_shape=c.q_shape,
+             kv_shape=c.kv_shape, options=c.options, passed=c.passed,
+             errors={output: dict(error=_json_number(error), allowed=_json_number(allowed))
+                     for output, (error, allowed) in c.errors.items()})
+        for c in checks])
+  if cells is not None:
+    report["benchmark"] = dict(cells=[
+        dict(path=m.path, label=PATH_LABELS[m.path], direction=_direction(m.backward),
+             batch=m.batch, seqlen=m.seqlen, heads=m.heads, head_dim=args.head_dim,
+             dtype=args.dtype.name, causal=args.causal, repeats=args.repeats,
+             status=m.status or "ok", median_seconds=m.seconds, min_seconds=m.min_seconds,
+             flops=m.flops, flop_per_s=m.flop_per_s, footprint_mib=m.mib)
+        for m in cells])
+  return report
 
 
 def main(argv=None) -> int:
@@ -501,32 +628,45 @@ def main(argv=None) -> int:
   if args.plot:  # before anything runs: a missing matplotlib or a bad DIR fails at once
     plt = _pyplot()
     os.makedirs(args.plot, exist_ok=True)
+  build = kernels.build_info()
+  for line in build_header(build):
+    console.print(line, markup=False)
   backend = jax.default_backend()
-  console.print(f"jaxflash {jaxflash.__version__} (kernels: {', '.join(jaxflash.backends())}), "
-                f"JAX {jax.__version__} on {backend}: {_device_name()}")
+  if backend == "gpu" and "cuda" not in jaxflash.backends():
+    console.print("[bold red]JAX sees a GPU, but this build of jaxflash has no CUDA kernels[/]: "
+                  "rebuild it with them, JAXFLASH_CUDA=ON pip install . (or "
+                  "JAXFLASH_CUDA_ARCHITECTURES=90a pip install . for an H100's), or run on the "
+                  "CPU: JAX_PLATFORMS=cpu")
+    return 1
   if KERNELS_FOR_BACKEND.get(backend) not in jaxflash.backends():
     console.print(f"[bold red]jaxflash has no kernels for JAX's {backend} backend[/] in this "
                   "build: reinstall it with them (README: Install), or choose a backend it has, "
                   "e.g. JAX_PLATFORMS=cpu")
     return 1
-  passed, phases = True, []
+  checks = cells = None
+  phases = []
   progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True)
   with progress:
     if not args.skip_check:
       start = time.perf_counter()
-      passed, table = self_check(progress)
-      progress.console.print(table)
+      checks = self_check(progress)
+      progress.console.print(check_table(checks))
       phases.append(f"self-check {time.perf_counter() - start:.0f} s")
     if not args.skip_bench:
       start = time.perf_counter()
-      benchmark(args, progress, plt)
+      cells = benchmark(args, progress, plt)
       phases.append(f"benchmark {time.perf_counter() - start:.0f} s")
-  if not args.skip_check:
+  passed = checks is None or all(check.passed for check in checks)
+  if checks is not None:
     console.print("self-check: [green]all passed[/]" if passed else
                   "self-check: [bold red]FAILED[/] (see the rows above)")
-  console.print(f"done in {time.perf_counter() - started:.0f} s "
-                f"({', '.join(phases) or 'nothing run'})")
+  seconds = time.perf_counter() - started
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(json_report(args, build, checks, cells, seconds), f, indent=1, allow_nan=False)
+    console.print(f"wrote {args.json}", markup=False)
+  console.print(f"done in {seconds:.0f} s ({', '.join(phases) or 'nothing run'})")
   return 0 if passed else 1
 
 

@@ -3,7 +3,8 @@
 batch × seqlen = --tokens (16k), hidden 2048 (heads = 2048 / head dim), random
 inputs; TFLOP/s of jaxflash, jax.nn's cuDNN path (GPU only) and jax.nn's XLA
 path, timed in one process, with jaxflash's ratio to cuDNN. FLOPs: forward
-4·B·H·N²·D, halved when causal; fwd+bwd 3.5× the forward. Memory is the
+4·B·H·N²·D, halved when causal; fwd+bwd 3.5× the forward (attention_flops,
+which every jaxflash benchmark counts with). Memory is the
 compiled program's footprint (XLA's buffer assignment). Last, the longest single
 sequence (16 heads × 128, bf16) each path runs fwd+bwd.
 """
@@ -23,15 +24,29 @@ import jax.numpy as jnp
 import jaxflash
 
 
-def median_seconds(fn, args, repeats: int) -> float:
-  """Median wall time of fn(*args) after one warm-up call (compile), synchronised."""
+def attention_flops(batch: int, seqlen: int, heads: int, head_dim: int, *, causal: bool,
+                    backward: bool) -> float:
+  """FlashAttention's FLOP count for attention over `seqlen` queries and keys: 4·B·H·N²·D for
+  the forward (Q·Kᵀ and P·V, 2·N²·D each per head), halved when causal (half the logits are
+  visible), and 3.5 times the forward for forward + backward (the backward's five products)."""
+  forward = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+  return forward * (3.5 if backward else 1.0)
+
+
+def run_seconds(fn, args, repeats: int) -> list[float]:
+  """Wall times of `repeats` synchronised calls fn(*args), after one warm-up call (compile)."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return times
+
+
+def median_seconds(fn, args, repeats: int) -> float:
+  """Median wall time of fn(*args) after one warm-up call (compile), synchronised."""
+  return statistics.median(run_seconds(fn, args, repeats))
 
 
 def footprint_bytes(fn, args) -> int:
@@ -86,7 +101,7 @@ def table(tokens, seqlens, head_dims, dtypes, repeats, hidden=2048):
         args = inputs(jax.random.key(n), batch, n, heads, head_dim, dtype)
         for causal in (False, True):
           for backward in (False, True):
-            flops = 4 * batch * heads * n * n * head_dim * (0.5 if causal else 1) * (3.5 if backward else 1)
+            flops = attention_flops(batch, n, heads, head_dim, causal=causal, backward=backward)
             results = {name: measure(fn, args, backward, causal, repeats) for name, fn in paths().items()}
             rate = {name: flops / t / 1e12 if isinstance(t, float) else None
                     for name, (t, _) in results.items()}

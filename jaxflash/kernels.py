@@ -8,122 +8,32 @@ Absent optional operands are zero-size arrays (flags say which are present);
 ``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py).
 ``workspace`` is the CUDA backward's scratch (uint8), sized here at abstract
 evaluation by the native module so the handler never allocates.
-Each primitive has an abstract evaluation and a lowering to the FFI target of
-the platform (cuda/ffi/*_handlers). They are bound by the partitioning stage
-(jaxflash/partitioning.py) with the config of one device's shard, after vmap
-has been folded into the config by the batching rules of jaxflash/primitives.py.
+Each primitive has an abstract evaluation, a batching rule that folds the
+vmapped axis into the kernel's instance space (no transpose or copy of the
+operands: the axis becomes a stride), and a lowering to the FFI target of the
+platform (cuda/ffi/*_handlers). They are bound by the partitioning stage
+(jaxflash/partitioning.py) with the config of one device's shard, and by ring
+attention (jaxflash/ring.py), which a shard_map user may vmap.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import ffi
 from jax.extend import core
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflash import __version__, native
-from jaxflash.layout import Layout, col_minor_order, packed_strides, shape_of
+from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, DTYPE_CODES, FORWARD_INPUTS,
+                               FORWARD_RESULTS, Flag, KernelConfig)
+from jaxflash.layout import drop_col, insert_axis, shape_of
 
 _native = native.load(__version__)
-
-# Bits of AttentionParams::flags (cuda/params.h).
-HAS_BIAS = 1 << 0
-HAS_MASK = 1 << 1
-HAS_Q_LENS = 1 << 2
-HAS_KV_LENS = 1 << 3
-BOTTOM_RIGHT = 1 << 4
-HAS_DBIAS = 1 << 6
-OUTPUT_F32 = 1 << 7
-EXACT_F32 = 1 << 8  # float32 inputs: float32-accurate products (3xTF32 on CUDA), not tf32
-DROPOUT = 1 << 9  # attention dropout on P, decided from the seed operand
-UNBOUNDED = -1
-
-FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed")
-BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
-FORWARD_RESULTS = ("o", "lse")
-BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
-# The slots whose ROW axis runs along the query positions; the other slots with a
-# ROW axis (k, v, dk, dv) run along the key positions.
-QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias")
-# The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
-# axis must be minor-most in memory.
-COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
-ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32}
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Everything static about one attention call; hashable, so a primitive param.
-
-  ``layouts`` maps each present operand/result slot to its layout; slots of
-  absent operands are missing. ``window`` is (left, right) with UNBOUNDED for
-  an open side; is_causal is a right window of 0. ``diagonal`` shifts the
-  window's diagonal: query block row t sits ``diagonal`` positions after key
-  block row t (ring attention's blocks of one sequence). ``keep_threshold`` and
-  ``keep_scale`` are the dropout's (with the DROPOUT flag; jaxflash/dropout.py).
-  """
-  instance_sizes: tuple[int, ...]
-  layouts: tuple[tuple[str, Layout], ...]
-  seq_dims: tuple[int, int, int]  # T, S, H
-  scale: float
-  window: tuple[int, int]
-  flags: int
-  keep_threshold: int = 0
-  keep_scale: float = 1.0
-  diagonal: int = 0
-
-  def layout(self, slot: str) -> Layout | None:
-    return dict(self.layouts).get(slot)
-
-  def has(self, flag: int) -> bool:
-    return bool(self.flags & flag)
-
-  def replace(self, **changes) -> KernelConfig:
-    return dataclasses.replace(self, **changes)
-
-  def with_layouts(self, updates: dict[str, Layout]) -> KernelConfig:
-    merged = dict(self.layouts)
-    merged.update(updates)
-    return self.replace(layouts=tuple(sorted(merged.items())))
-
-  def col_minor_orders(self) -> dict[str, tuple[int, ...]]:
-    """Physical axis orders (major to minor) that put the feature axis of each
-    COL_MINOR_SLOTS slot minor-most, for the slots where row-major does not."""
-    orders = {}
-    for slot in COL_MINOR_SLOTS:
-      layout = self.layout(slot)
-      order = col_minor_order(layout) if layout is not None else None
-      if order is not None:
-        orders[slot] = order
-    return orders
-
-  def ffi_attributes(self, orders: dict[str, tuple[int, ...]] | None = None) -> dict:
-    """The FFI attributes; `orders`: physical axis orders of the non-row-major slots."""
-    sizes, strides = packed_strides(self.instance_sizes, dict(self.layouts), orders)
-    return dict(instance_sizes=sizes, strides=strides,
-                dims=np.asarray(self.seq_dims, np.int64), scale=np.float32(self.scale),
-                window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
-                diagonal_offset=np.int64(self.diagonal),
-                flags=np.int64(self.flags), keep_threshold=np.int64(self.keep_threshold),
-                keep_scale=np.float32(self.keep_scale))
-
-
-def absent(slot: str, dtype) -> jax.Array:
-  """The zero-size placeholder for an absent optional operand."""
-  return jnp.zeros((0,), ABSENT_DTYPES.get(slot, dtype))
-
-
-# ---------------------------------------------------------------- primitives
-
-DTYPE_CODES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1,
-               jnp.dtype(jnp.bfloat16): 2}  # jaxflash::DType
 
 
 def result_aval(q, shape, dtype) -> jax.core.ShapedArray:
@@ -138,31 +48,87 @@ def result_aval(q, shape, dtype) -> jax.core.ShapedArray:
 
 def forward_avals(q, config: KernelConfig):
   """(o, lse) of a forward with this config."""
-  o_dtype = jnp.float32 if config.has(OUTPUT_F32) else q.dtype
+  o_dtype = jnp.float32 if config.has(Flag.OUTPUT_F32) else q.dtype
   return (result_aval(q, shape_of(config.layout("o")), o_dtype),
           result_aval(q, shape_of(config.layout("lse")), jnp.float32))
 
 
 def gradient_avals(q, k, v, bias, config: KernelConfig):
   """(dq, dk, dv, dbias) of a backward with this config; dbias is zero-size without HAS_DBIAS."""
-  dbias_shape = shape_of(config.layout("dbias")) if config.has(HAS_DBIAS) else (0,)
+  dbias_shape = shape_of(config.layout("dbias")) if config.has(Flag.HAS_DBIAS) else (0,)
   return (result_aval(q, shape_of(config.layout("dq")), q.dtype),
           result_aval(q, shape_of(config.layout("dk")), k.dtype),
           result_aval(q, shape_of(config.layout("dv")), v.dtype),
           result_aval(q, dbias_shape, bias.dtype))
 
 
+# ---------------------------------------------------------------- batching
+
+def _new_instance_axis(config: KernelConfig, names: Sequence[str], args, dims):
+  """The config with a new instance axis for vmap, inserted into each batched operand."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  axis = ((len(config.instance_sizes),), size)
+  updates = {}
+  for name, d in zip(names, dims):
+    if d is None:
+      continue
+    if config.layout(name) is None:
+      raise AssertionError(f"jaxflash internal: absent operand {name} is batched")
+    updates[name] = insert_axis(config.layout(name), d, axis)
+  config = config.replace(instance_sizes=config.instance_sizes + (size,))
+  return config.with_layouts(updates), axis
+
+
+def forward_batching_rule(primitive):
+  """The batching rule of a primitive that takes FORWARD_INPUTS and returns (o, lse): one
+  call of it, whatever the vmap nesting. jaxflash/primitives.py's forward shares it."""
+  def rule(args, dims, *, config):
+    config, axis = _new_instance_axis(config, FORWARD_INPUTS, args, dims)
+    # The output follows q's layout (the vmapped axis where q has it, else in
+    # front); lse is the output's layout without the feature axis.
+    o_dim = dims[0] if dims[0] is not None else 0
+    o_layout = insert_axis(config.layout("o"), o_dim, axis)
+    lse_layout = drop_col(o_layout)
+    config = config.with_layouts({"o": o_layout, "lse": lse_layout})
+    return primitive.bind(*args, config=config), (o_dim, lse_layout.index(axis))
+  return rule
+
+
+def backward_batching_rule(primitive, extra_results: int):
+  """The batching rule of a primitive that takes BACKWARD_INPUTS and returns (dq, dk, dv,
+  dbias) and `extra_results` unbatched results. jaxflash/primitives.py's backward shares it."""
+  def rule(args, dims, *, config):
+    config, axis = _new_instance_axis(config, BACKWARD_INPUTS, args, dims)
+    # Every gradient is per vmapped instance, also for an operand that was not
+    # batched (JAX sums those afterwards); each lands where its operand had the
+    # vmapped axis, else in front.
+    updates, out_dims = {}, []
+    for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3)):
+      if config.layout(grad) is None:
+        out_dims.append(None)
+        continue
+      d = dims[operand] if dims[operand] is not None else 0
+      updates[grad] = insert_axis(config.layout(grad), d, axis)
+      out_dims.append(d)
+    config = config.with_layouts(updates)
+    return primitive.bind(*args, config=config), tuple(out_dims) + (None,) * extra_results
+  return rule
+
+
+# ---------------------------------------------------------------- primitives
+
 forward_kernel_p = core.Primitive("jaxflash_fwd_kernel")
 forward_kernel_p.multiple_results = True
 forward_kernel_p.def_abstract_eval(
     lambda q, *rest, config: forward_avals(q, config))
+batching.primitive_batchers[forward_kernel_p] = forward_batching_rule(forward_kernel_p)
 
 
 def _backward_kernel_abstract_eval(q, k, v, bias, *rest, config):
   del rest
   T, S, H = config.seq_dims
   workspace_bytes = _native.backward_workspace_bytes(
-      math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype)])
+      math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype).name])
   return gradient_avals(q, k, v, bias, config) + (
       result_aval(q, (workspace_bytes,), jnp.uint8),)
 
@@ -170,6 +136,8 @@ def _backward_kernel_abstract_eval(q, k, v, bias, *rest, config):
 backward_kernel_p = core.Primitive("jaxflash_bwd_kernel")
 backward_kernel_p.multiple_results = True
 backward_kernel_p.def_abstract_eval(_backward_kernel_abstract_eval)
+batching.primitive_batchers[backward_kernel_p] = backward_batching_rule(
+    backward_kernel_p, 1)  # the workspace
 
 
 # ---------------------------------------------------------------- lowering
@@ -224,3 +192,11 @@ def _register() -> tuple[str, ...]:
 
 
 PLATFORMS = _register()
+
+
+def build_info() -> dict:
+  """What the loaded extension is: the jaxflash version it was built from, the CUDA
+  architectures it has kernels for ("" in a CPU-only build), the XLA FFI API version of the
+  headers it was built against, and the platforms it has kernels for (jaxflash.backends())."""
+  return dict(version=_native.version, cuda_architectures=_native.cuda_architectures,
+              ffi_api_version=tuple(_native.ffi_api_version), platforms=PLATFORMS)

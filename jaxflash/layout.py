@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
-
 ROW = "row"
 COL = "col"
 
@@ -26,14 +24,6 @@ COL = "col"
 Role = str | tuple[int, ...]
 Axis = tuple[Role, int]  # (role, size)
 Layout = tuple[Axis, ...]
-
-# The operand slots of the FFI "strides" attribute, in the order that
-# cuda/ffi/decode.h reads them.
-SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
-         "d_o", "delta", "dq", "dk", "dv", "dbias", "seed")
-
-# Python merges what it can before lowering; nested vmaps may still need a few.
-MAX_INSTANCE_DIMS = 8
 
 
 def shape_of(layout: Layout) -> tuple[int, ...]:
@@ -109,16 +99,17 @@ def strides_of(layout: Layout, instance_sizes: Sequence[int],
   return inst, row, col
 
 
-def packed_strides(instance_sizes: Sequence[int], layouts: dict[str, Layout],
+def merged_strides(instance_sizes: Sequence[int], layouts: dict[str, Layout],
                    orders: dict[str, Sequence[int]] | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
-  """The FFI attributes ``instance_sizes`` and ``strides`` for these layouts.
+                   ) -> tuple[list[int], dict[str, list[int]]]:
+  """The instance axes the kernels walk, and each layout's strides over them.
 
-  `orders` gives the physical axis order (major to minor) of the slots that are
+  `orders` gives the physical axis order (major to minor) of the arrays that are
   not row-major (see col_minor_order). Instance axes of size 1 are dropped and
-  neighbours that every operand walks contiguously are merged, so the kernels
+  neighbours that every array walks contiguously are merged, so the kernels
   see as few axes as possible (at least one, since XLA's attribute decoding
-  wants non-empty arrays).
+  wants non-empty arrays). Returns (the merged instance sizes, per layout its
+  instance strides followed by its row and col strides).
   """
   orders = orders or {}
   per_slot = {name: strides_of(layout, instance_sizes, orders.get(name))
@@ -142,16 +133,4 @@ def packed_strides(instance_sizes: Sequence[int], layouts: dict[str, Layout],
   if not sizes:
     sizes = [1]
     inst = {name: [0] for name in inst}
-  if len(sizes) > MAX_INSTANCE_DIMS:
-    raise NotImplementedError(
-        f"jaxflash: this call needs {len(sizes)} batch-like axes after merging (nested vmap?); "
-        f"the kernels take at most {MAX_INSTANCE_DIMS}")
-
-  rows = []
-  for name in SLOTS:
-    if name in per_slot:
-      _, row, col = per_slot[name]
-      rows.append(inst[name] + [row, col])
-    else:
-      rows.append([0] * (len(sizes) + 2))
-  return np.asarray(sizes, np.int64), np.asarray(rows, np.int64).reshape(-1)
+  return sizes, {name: inst[name] + [row, col] for name, (_, row, col) in per_slot.items()}

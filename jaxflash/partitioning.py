@@ -36,14 +36,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflash import kernels
 from jaxflash import ring as ring_lib
-from jaxflash.kernels import (BACKWARD_INPUTS, BACKWARD_RESULTS, FORWARD_INPUTS, FORWARD_RESULTS,
-                              KernelConfig)
+from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, FORWARD_INPUTS, FORWARD_RESULTS,
+                               QUERY_ROW_SLOTS, Flag, KernelConfig, absent)
 from jaxflash.layout import COL, ROW, Axis, role_axis
 
 GRADIENTS = BACKWARD_RESULTS[:4]  # the kernel's workspace stays inside the partition
 
 # The factor of each slot's COL axis (the seed's COL axis, its two words, has none: never
-# sharded); a ROW axis is t for kernels.QUERY_ROW_SLOTS, else s.
+# sharded); a ROW axis is t for QUERY_ROW_SLOTS, else s.
 COL_FACTOR = {**dict.fromkeys(("q", "k", "v", "o", "d_o", "dq", "dk", "dv"), "h"),
               **dict.fromkeys(("bias", "mask", "dbias"), "s")}
 SEQUENCE_FACTORS = ("t", "s")  # sharded together, by ring attention
@@ -63,7 +63,7 @@ def axis_factors(config: KernelConfig, slot: str, axis: Axis) -> tuple[str, ...]
   if size == 1:
     return ()
   if role == ROW:
-    return ("t" if slot in kernels.QUERY_ROW_SLOTS else "s",)
+    return ("t" if slot in QUERY_ROW_SLOTS else "s",)
   if role == COL:
     return (COL_FACTOR[slot],) if slot in COL_FACTOR else ()
   return tuple(_instance_factor(i) for i in role if config.instance_sizes[i] != 1)
@@ -282,7 +282,7 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
   del absent  # bias, mask, q_lens, kv_lens, seed: ring_lib.unsupported
   q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
   o32, lse = ring_lib.forward(q, k, v, ring)
-  o = o32 if ring.config.has(kernels.OUTPUT_F32) else o32.astype(q.dtype)
+  o = o32 if ring.config.has(Flag.OUTPUT_F32) else o32.astype(q.dtype)
   return (_reorder(ring, o, "o", ring_lib.from_zigzag),
           _reorder(ring, lse, "lse", ring_lib.from_zigzag))
 
@@ -293,7 +293,7 @@ def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, se
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
   grads = ring_lib.backward(*operands, ring)
   return tuple(_reorder(ring, g, slot, ring_lib.from_zigzag)
-               for g, slot in zip(grads, ("dq", "dk", "dv"))) + (kernels.absent("dbias", q.dtype),)
+               for g, slot in zip(grads, ("dq", "dk", "dv"))) + (absent("dbias", q.dtype),)
 
 
 def _infer(slots: Sequence[str], results: Sequence[str]):

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import kernels
-from jaxflash.kernels import KernelConfig, UNBOUNDED
+from jaxflash.contract import QUERY_ROW_SLOTS, UNBOUNDED, Flag, KernelConfig, absent
 from jaxflash.layout import COL, ROW, Layout, role_axis, shape_of, with_rows
 
 Order = Literal["contiguous", "zigzag"]
@@ -180,12 +180,12 @@ class Ring:
 
   def task_config(self, task: Task, config: KernelConfig | None = None) -> KernelConfig:
     config = config or self.config
-    layouts = {slot: with_rows(layout, task.tq if slot in kernels.QUERY_ROW_SLOTS else task.tk)
+    layouts = {slot: with_rows(layout, task.tq if slot in QUERY_ROW_SLOTS else task.tk)
                for slot, layout in config.layouts}
     # Positions are the task's own (the lengths are equal, and there are no length operands).
     return config.replace(seq_dims=(task.tq, task.tk, config.seq_dims[2]), window=task.window,
                           diagonal=task.diagonal,
-                          flags=config.flags & ~kernels.BOTTOM_RIGHT).with_layouts(layouts)
+                          flags=config.flags & ~Flag.BOTTOM_RIGHT).with_layouts(layouts)
 
   def shift(self, tree, by: int = 1):
     """Sends each device's `tree` to the device `by` places on round the ring."""
@@ -231,7 +231,7 @@ def _pad_rows(x, layout: Layout, start: int, total: int, value):
 
 
 def _absent_operands(dtype):
-  return tuple(kernels.absent(slot, dtype) for slot in ("bias", "mask", "q_lens", "kv_lens", "seed"))
+  return tuple(absent(slot, dtype) for slot in ("bias", "mask", "q_lens", "kv_lens", "seed"))
 
 
 def _zeros(layout: Layout, rows: int):
@@ -283,7 +283,7 @@ def _step_call(ring: Ring, ring_pass: Pass, step: int, branches: Branches, compu
 
 def forward(q, k, v, ring: Ring):
   """This device's (o in float32, lse) over the whole ring."""
-  config = ring.config.replace(flags=ring.config.flags | kernels.OUTPUT_F32)
+  config = ring.config.replace(flags=ring.config.flags | Flag.OUTPUT_F32)
   T, S, _ = config.seq_dims
   o_layout, lse_layout = config.layout("o"), config.layout("lse")
   o = lse = None

@@ -20,6 +20,7 @@ import pytest
 
 import jaxflash
 import reference
+from jaxflash.contract import Flag
 from reference import assert_close, assert_rows_zero
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -465,4 +466,4 @@ def test_precision_selects_exact_float32(dtype, precision, context, exact, backe
       text = fn.lower(q).as_text()
   flags = [int(f) for f in re.findall(r"flags = (\d+)", text)]
   assert len(flags) == 2, f"expected a forward and a backward call, got flags {flags}"
-  assert all(bool(f & jaxflash.kernels.EXACT_F32) == exact for f in flags), flags
+  assert all(bool(f & Flag.EXACT_F32) == exact for f in flags), flags

@@ -1,17 +1,23 @@
 """Tests of the two command-line entry points on tiny sizes: they run end to end on the
-present backend, the self-check passes (and a failing one sets the exit status), the tables
-and plots come out, and the benchmark writes its table."""
+present backend, the self-check passes (and a failing one sets the exit status), the tables,
+plots and --json results come out and agree, and the benchmark writes its table."""
 
 from __future__ import annotations
 
+import json
 import sys
 
+import jax
 import pytest
 
+import jaxflash
 from jaxflash import __main__ as main_job
-from jaxflash import bench
+from jaxflash import bench, kernels
 
 TINY = ["--seqlens", "64,128", "--batch", "1", "--heads", "2", "--head-dim", "32", "--repeats", "1"]
+
+
+CELL_COLUMNS = 4  # per path: median ms, min ms, FLOP/s, MiB
 
 
 def _table_rows(out: str, varying_values) -> dict[tuple[str, int], list[str]]:
@@ -24,10 +30,20 @@ def _table_rows(out: str, varying_values) -> dict[tuple[str, int], list[str]]:
   return rows
 
 
-def test_main_job_self_check_passes_and_prints_table(capsys):
-  assert main_job.main(TINY) == 0
+def _number(cell: str) -> float:
+  return float(cell.replace(",", ""))
+
+
+def test_main_job_self_check_passes_and_prints_table(tmp_path, capsys):
+  json_path = tmp_path / "run.json"
+  assert main_job.main([*TINY, "--json", str(json_path)]) == 0
   out = capsys.readouterr().out
   assert "FAIL" not in out
+  build = kernels.build_info()
+  major, minor = build["ffi_api_version"]
+  assert f"jaxflash {jaxflash.__version__}: kernels for {', '.join(jaxflash.backends())}" in out
+  assert f"CUDA architectures: {build['cuda_architectures'] or 'none'}" in out
+  assert f"XLA FFI API {major}.{minor}" in out and f"JAX {jax.__version__}" in out
   lines = out.splitlines()
   for dtype in main_job.CHECK_DTYPES:
     for name, *_ in main_job.CHECKS:
@@ -38,12 +54,57 @@ def test_main_job_self_check_passes_and_prints_table(capsys):
     assert main_job.PATH_LABELS[path] in out
   rows = _table_rows(out, (64, 128))
   assert set(rows) == {(d, n) for d in ("fwd", "fwd+bwd") for n in (64, 128)}, out
-  for cells in rows.values():  # ms, TFLOP/s, MiB per path (jaxflash, XLA, ...), then speedups
-    ms, tflops, mib = (float(c.replace(",", "")) for c in cells[:3])  # jaxflash always runs
-    assert ms > 0 and tflops > 0 and mib > 0
-    xla_ms = float(cells[3].replace(",", ""))  # within --max-xla-seqlen
-    speedup = float(cells[3 * len(bench.paths())].removesuffix("x"))  # vs XLA, the first
+  rate_unit = "TFLOP/s" if "TFLOP/s" in out else "GFLOP/s"
+  for cells in rows.values():  # CELL_COLUMNS per path (jaxflash, XLA, ...), then speedups
+    ms, min_ms, rate, mib = map(_number, cells[:CELL_COLUMNS])  # jaxflash always runs
+    assert ms >= min_ms > 0 and rate > 0 and mib > 0
+    xla_ms = _number(cells[CELL_COLUMNS])  # within --max-xla-seqlen
+    speedup = float(cells[CELL_COLUMNS * len(bench.paths())].removesuffix("x"))  # vs XLA
     assert abs(speedup - xla_ms / ms) <= 0.01 * speedup + 0.006, cells  # of rounded times
+
+  # --json: the same results, machine-readable.
+  report = json.loads(json_path.read_text())
+  assert report["jaxflash"]["version"] == jaxflash.__version__
+  assert report["jaxflash"]["cuda_architectures"] == build["cuda_architectures"]
+  assert report["jaxflash"]["ffi_api_version"] == f"{major}.{minor}"
+  assert (report["jax"]["version"], report["jax"]["backend"]) == (jax.__version__,
+                                                                   jax.default_backend())
+  assert report["device"]["platform"] == jax.devices()[0].platform
+  assert report["options"]["seqlens"] == [64, 128] and report["options"]["causal"] is False
+  checks = report["self_check"]
+  assert checks["passed"]
+  assert len(checks["results"]) == len(main_job.CHECK_DTYPES) * len(main_job.CHECKS)
+  for result in checks["results"]:
+    assert result["passed"] and set(result["errors"]) <= set(main_job.CHECK_RESULTS)
+    assert all(0 <= e["error"] <= e["allowed"] for e in result["errors"].values()), result
+  cells = {(c["path"], c["direction"], c["seqlen"]): c for c in report["benchmark"]["cells"]}
+  assert set(cells) == {(p, d, n) for p in bench.paths() for d, n in rows}
+  for (direction, n), row in rows.items():
+    cell = cells[("jaxflash", direction, n)]
+    assert (cell["batch"], cell["heads"], cell["head_dim"], cell["dtype"]) == (1, 2, 32, "float32")
+    assert cell["status"] == "ok" and cell["repeats"] == 1 and cell["causal"] is False
+    assert cell["flops"] == bench.attention_flops(1, n, 2, 32, causal=False,
+                                                  backward=direction == "fwd+bwd")
+    rate_size = 1e12 if rate_unit == "TFLOP/s" else 1e9
+    shown = (cell["median_seconds"] * 1e3, cell["min_seconds"] * 1e3,
+             cell["flop_per_s"] / rate_size)
+    for value, text in zip(shown, row):  # the table's cells, rounded to 3 digits
+      assert _number(text) == pytest.approx(value, rel=5e-3), (value, text)
+
+
+def test_main_job_causal(tmp_path, capsys):
+  """--causal times causal attention and counts half the FLOPs of full attention's."""
+  path = tmp_path / "run.json"
+  assert main_job.main(["--skip-check", "--causal", *TINY, "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "head dim 32, causal" in out and "halved (causal)" in out
+  report = json.loads(path.read_text())
+  assert report["self_check"] is None and report["options"]["causal"] is True
+  for cell in report["benchmark"]["cells"]:
+    full = bench.attention_flops(cell["batch"], cell["seqlen"], cell["heads"], cell["head_dim"],
+                                 causal=False, backward=cell["direction"] == "fwd+bwd")
+    assert cell["causal"] is True and cell["flops"] == full / 2
+    assert cell["flop_per_s"] == pytest.approx(cell["flops"] / cell["median_seconds"])
 
 
 def test_main_job_fails_when_a_check_fails(monkeypatch, capsys):
@@ -66,8 +127,9 @@ def test_main_job_plots(tmp_path, capsys):
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name
     assert f"wrote {plots / name}" in out
   rows = _table_rows(out, (64, 128))
-  assert rows[("fwd", 128)][3] == rows[("fwd+bwd", 128)][3] == "skipped"  # over --max-xla-seqlen
-  assert float(rows[("fwd", 64)][3]) > 0
+  xla = CELL_COLUMNS  # the first cell of jax.nn XLA's columns
+  assert rows[("fwd", 128)][xla] == rows[("fwd+bwd", 128)][xla] == "skipped"  # > --max-xla-seqlen
+  assert float(rows[("fwd", 64)][xla]) > 0
   assert "scaling with heads" in out and "scaling with batch" in out
 
 
@@ -83,17 +145,38 @@ def test_main_job_help_names_every_option(capsys):
     main_job.main(["--help"])
   assert exit_info.value.code == 0
   out = capsys.readouterr().out
-  for option in ("--seqlens", "--batch", "--heads", "--head-dim", "--dtype", "--repeats",
-                 "--max-xla-seqlen", "--plot", "--scaling", "--heads-sweep", "--batch-sweep",
-                 "--sweep-seqlen", "--skip-check", "--skip-bench"):
+  for option in ("--seqlens", "--batch", "--heads", "--head-dim", "--causal", "--dtype",
+                 "--repeats", "--max-xla-seqlen", "--plot", "--scaling", "--heads-sweep",
+                 "--batch-sweep", "--sweep-seqlen", "--skip-check", "--skip-bench", "--json"):
     assert option in out
   assert "on a GPU" in out and "on the CPU" in out and "examples:" in out
 
 
-def test_main_job_rejects_plot_with_skip_bench(tmp_path, capsys):
+@pytest.mark.parametrize("argv,named", [(["--skip-bench", "--plot", "plots"], "--skip-bench"),
+                                        (["--json", "missing/run.json"], "--json")])
+def test_main_job_rejects_bad_options(argv, named, tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
   with pytest.raises(SystemExit) as exit_info:
-    main_job.main(["--skip-bench", "--plot", str(tmp_path)])
-  assert exit_info.value.code == 2 and "--skip-bench" in capsys.readouterr().err
+    main_job.main(argv)
+  assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_main_job_says_how_to_rebuild_for_a_gpu(monkeypatch, capsys):
+  """JAX on a GPU and a build without CUDA kernels: one line says so and how to rebuild."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jaxflash, "backends", lambda: ("cpu",))
+  assert main_job.main([]) == 1
+  out = capsys.readouterr().out
+  assert "JAX sees a GPU, but this build of jaxflash has no CUDA kernels" in out
+  assert "JAXFLASH_CUDA=ON pip install ." in out and "JAXFLASH_CUDA_ARCHITECTURES=90a" in out
+
+
+def test_rate_unit_reads_at_least_one():
+  def cells(flop_per_s):
+    return [main_job.Measurement("jaxflash", 1, 64, 1, False, flops=f, seconds=1.0)
+            for f in flop_per_s] + [main_job.Measurement("xla", 1, 64, 1, False, flops=1.0)]
+  assert main_job.rate_unit(cells([2e9, 5e11])) == ("GFLOP/s", 1e9)  # 0.5 TFLOP/s
+  assert main_job.rate_unit(cells([2e9, 3e12])) == ("TFLOP/s", 1e12)
 
 
 def test_bench_writes_protocol_table(tmp_path):

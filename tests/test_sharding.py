@@ -23,8 +23,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxflash
 import reference
 from jaxflash import kernels, ring as ring_lib
-from jaxflash.attention import _delta, _gradient_layouts, _validate
-from jaxflash.kernels import UNBOUNDED
+from jaxflash.attention import _delta, _gradient_layouts
+from jaxflash.contract import UNBOUNDED, Flag, absent
+from jaxflash.validation import validate
 from reference import assert_close, assert_same_kernel
 
 H = 32
@@ -348,19 +349,19 @@ def test_diagonal_offset_places_blocks_in_one_sequence(q_start, k_start, window,
   d = (k_start + np.arange(S))[None, :] - (q_start + np.arange(T))[:, None]
   inputs["mask"] = jax.device_put(jnp.asarray((d >= -window[0]) & (d <= window[1]))[None, None],
                                   device)
-  absent = lambda dtype: [kernels.absent(slot, dtype) for slot in
-                          ("bias", "mask", "q_lens", "kv_lens", "seed")]
+  absent_operands = lambda dtype: [absent(slot, dtype) for slot in
+                                   ("bias", "mask", "q_lens", "kv_lens", "seed")]
 
   @jax.jit
   def placed(q, k, v, d_o):
-    config = _validate(
-        q, k, v, None, None, None, False, None, None, window, None, False, "top_left", None, 0.0,
-        None, False).config.replace(diagonal=q_start - k_start)
+    config = validate(q, k, v, local_window_size=window).config.replace(
+        diagonal=q_start - k_start)
     o32, lse = kernels.forward_kernel_p.bind(
-        q, k, v, *absent(q.dtype), config=config.replace(flags=config.flags | kernels.OUTPUT_F32))
+        q, k, v, *absent_operands(q.dtype),
+        config=config.replace(flags=config.flags | Flag.OUTPUT_F32))
     delta = _delta(d_o, o32, config)
     dq, dk, dv, _, _ = kernels.backward_kernel_p.bind(
-        q, k, v, *absent(q.dtype), lse, delta, d_o,
+        q, k, v, *absent_operands(q.dtype), lse, delta, d_o,
         config=config.with_layouts(_gradient_layouts(config)))
     return o32.astype(q.dtype), dict(dq=dq, dk=dk, dv=dv)
 

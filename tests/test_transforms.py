@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,8 @@ import pytest
 
 import jaxflash
 import reference
-from jaxflash.layout import COL, ROW, SLOTS, col_minor_order, packed_strides, strides_of
+from jaxflash.contract import SLOTS, packed_strides
+from jaxflash.layout import COL, ROW, col_minor_order, strides_of
 from reference import assert_bitwise_equal, assert_same_kernel
 
 T, S, H = 40, 72, 32  # small, ragged (not multiples of a tile) and T != S
@@ -288,6 +292,56 @@ def test_vmap_of_grad_matches_loop(name, dtype, backend):
   for i, b, l in zip(argnums, batched, looped):
     assert b.shape == operands[i].shape, (b.shape, operands[i].shape)
     assert_same_kernel(b, l, dtype, f"{name}: vmapped grad of operand {i}")
+
+
+# jaxflash.kernels imported without the package's __init__ (which imports every module, the
+# primitives of jaxflash/primitives.py too): the kernel primitives' batching rules must come with
+# them. vmap of each kernel call then equals the per-item calls.
+KERNELS_ALONE = """
+import importlib.util
+import sys
+
+spec = importlib.util.find_spec("jaxflash")
+package = importlib.util.module_from_spec(spec)  # not executed
+package.__version__ = sys.argv[1]
+sys.modules["jaxflash"] = package
+
+import jax
+import numpy as np
+
+from jaxflash import kernels, validation
+from jaxflash.contract import absent
+
+assert "jaxflash.primitives" not in sys.modules, sorted(sys.modules)
+OPTIONAL = ("bias", "mask", "q_lens", "kv_lens", "seed")
+
+
+def kernel_calls(q, k, v):
+  config = validation.validate(q, k, v, is_causal=True).config
+  o, lse = kernels.forward_kernel_p.bind(q, k, v, *(absent(s, q.dtype) for s in OPTIONAL),
+                                         config=config)
+  grad_layouts = {"d_o": config.layout("o"), "delta": config.layout("lse"),
+                  "dq": config.layout("q"), "dk": config.layout("k"), "dv": config.layout("v")}
+  dq, dk, dv, _, _ = kernels.backward_kernel_p.bind(
+      q, k, v, *(absent(s, q.dtype) for s in OPTIONAL), lse, lse, o,
+      config=config.with_layouts(grad_layouts))
+  return o, lse, dq, dk, dv
+
+
+q, k, v = (jax.random.normal(jax.random.key(i), (3, 24, 16)) for i in range(3))
+batched = jax.jit(jax.vmap(kernel_calls))(q, k, v)
+looped = [jax.jit(kernel_calls)(q[i], k[i], v[i]) for i in range(3)]
+for j, b in enumerate(batched):
+  np.testing.assert_allclose(b, np.stack([items[j] for items in looped]), rtol=1e-6, atol=1e-6)
+print("batched")
+"""
+
+
+def test_kernel_primitives_batch_without_the_rest_of_the_package():
+  result = subprocess.run([sys.executable, "-c", KERNELS_ALONE, jaxflash.__version__],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0 and result.stdout.split() == ["batched"], result.stderr
 
 
 # --------------------------------------------------------------------------------------------

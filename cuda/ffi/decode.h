@@ -26,7 +26,7 @@ namespace jaxflash {
 
 namespace ffi = xla::ffi;
 
-// Slot order of the "strides" attribute; jaxflash/primitives.py lists the same.
+// Slot order of the "strides" attribute; jaxflash/contract.py lists the same (SLOTS).
 enum Slot : int {
   kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed, kSlots
 };

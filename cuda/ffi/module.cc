@@ -1,8 +1,11 @@
 // The Python extension jaxflash._native: hands the FFI handlers to Python as
-// capsules, per platform, for jax.ffi.register_ffi_target.
+// capsules, per platform, for jax.ffi.register_ffi_target, and reports what
+// this build is and the constants of its contract with jaxflash/contract.py.
 #include <nanobind/nanobind.h>
 
+#include "cuda/ffi/decode.h"
 #include "cuda/ffi/handlers.h"
+#include "cuda/params.h"
 #ifdef JAXFLASH_WITH_CUDA
 #include "cuda/gpu/backward.h"
 #endif
@@ -14,6 +17,35 @@ namespace {
 template <class Fn>
 nb::capsule as_capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// The constants the Python side must agree with (jaxflash/contract.py holds its copy and
+// tests/test_contract.py compares the two), named as Python names them.
+nb::dict contract() {
+  using namespace jaxflash;
+  nb::dict flags;
+  flags["HAS_BIAS"] = static_cast<int64_t>(kHasBias);
+  flags["HAS_MASK"] = static_cast<int64_t>(kHasMask);
+  flags["HAS_Q_LENS"] = static_cast<int64_t>(kHasQLens);
+  flags["HAS_KV_LENS"] = static_cast<int64_t>(kHasKvLens);
+  flags["BOTTOM_RIGHT"] = static_cast<int64_t>(kBottomRight);
+  flags["HAS_DBIAS"] = static_cast<int64_t>(kHasDbias);
+  flags["OUTPUT_F32"] = static_cast<int64_t>(kOutputF32);
+  flags["EXACT_F32"] = static_cast<int64_t>(kExactF32);
+  flags["DROPOUT"] = static_cast<int64_t>(kDropout);
+  nb::dict dtypes;
+  dtypes["float32"] = static_cast<int32_t>(DType::kF32);
+  dtypes["float16"] = static_cast<int32_t>(DType::kF16);
+  dtypes["bfloat16"] = static_cast<int32_t>(DType::kBF16);
+  nb::list slots;
+  for (int slot = 0; slot < kSlots; ++slot) slots.append(slot_name(slot));
+  nb::dict result;
+  result["flags"] = flags;
+  result["dtype_codes"] = dtypes;
+  result["slots"] = nb::tuple(slots);
+  result["max_instance_dims"] = kMaxInstanceDims;
+  result["unbounded"] = kUnbounded;
+  return result;
 }
 
 }  // namespace
@@ -28,6 +60,7 @@ NB_MODULE(_native, m) {
 #else
   m.attr("cuda_architectures") = "";
 #endif
+  m.def("contract", &contract);
   m.def("cpu_targets", []() {
     nb::dict targets;
     targets["jaxflash_fwd"] = as_capsule(jaxflash::jaxflash_forward_cpu);
