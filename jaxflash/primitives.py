@@ -16,7 +16,8 @@ shard.
 
 from __future__ import annotations
 
-import jax
+import functools
+
 from jax._src import dispatch
 from jax.extend import core
 from jax.interpreters import ad, batching, mlir
@@ -27,7 +28,9 @@ from jaxflash.kernels import (backward_batching_rule, forward_avals, forward_bat
 
 
 def _eager(primitive):
-  return lambda *args, config: jax.jit(lambda *a: primitive.bind(*a, config=config))(*args)
+  """Outside jit, a bind compiles and runs the primitive alone. JAX's apply_primitive lifts
+  jax.disable_jit() for that one call: under it, a plain jax.jit would call back into bind."""
+  return functools.partial(dispatch.apply_primitive, primitive)
 
 
 # ---------------------------------------------------------------- forward

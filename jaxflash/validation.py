@@ -160,12 +160,17 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   def lengths(x, name: str):
     if x is None:
       return None, None
+    given_as_jax = isinstance(x, jax.Array)
+    if not given_as_jax:
+      _check_int32_values(x, name)
     x = _as_array(x, name)
     allowed = ((B,),) if rank == 4 else ((), (1,))
     if x.shape not in allowed:
       want = f"shape ({B},)" if rank == 4 else "a scalar or shape (1,)"
       raise ValueError(f"jaxflash.attention: {name} must have {want}, got {_shape_str(x)}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
+    # A JAX array may be traced, so its values cannot be checked: like jax.nn, only int32
+    # is taken (a wider or unsigned one could hold lengths that int32 would wrap).
+    if not jnp.issubdtype(x.dtype, jnp.integer) or (given_as_jax and x.dtype != jnp.int32):
       raise TypeError(f"jaxflash.attention: {name} must be an int32 array, got {x.dtype}")
     return x.astype(jnp.int32), tuple(zip((batch_role,) * x.ndim, x.shape))
 
@@ -275,6 +280,26 @@ def _dropout_seeds(dropout_rng, logits_shape, broadcast_dropout: bool) -> jax.Ar
   return dropout_lib.seeds(rng, logits_shape, broadcast_dropout)
 
 
+_INT32_LIMIT = 2**31
+
+
+def _check_int32_values(x, name: str) -> None:
+  """Concrete lengths (NumPy arrays, Python ints or lists) of any integer type are taken when
+  their values fit in int32; jnp.asarray would otherwise wrap them silently (2**32 + 5 -> 5)."""
+  try:
+    values = np.asarray(x)
+  except (OverflowError, TypeError, ValueError):
+    values = np.asarray(x, dtype=object)
+  if values.dtype.kind not in "iuO" or values.size == 0:
+    return  # floats and other types: refused below with the dtype
+  if values.dtype.kind == "O" and not all(isinstance(v, numbers.Integral) for v in values.flat):
+    return
+  low, high = int(values.min()), int(values.max())
+  if low < -_INT32_LIMIT or high >= _INT32_LIMIT:
+    raise ValueError(f"jaxflash.attention: {name} must fit in int32 (as jax.nn requires), "
+                     f"got values from {low} to {high}")
+
+
 def _window(local_window_size, is_causal) -> tuple[int, int]:
   left = right = UNBOUNDED
   if local_window_size is not None:
@@ -290,6 +315,11 @@ def _window(local_window_size, is_causal) -> tuple[int, int]:
     if left < 0 or right < 0:
       raise ValueError(f"jaxflash.attention: local_window_size must be >= 0 on both sides, got "
                        f"{local_window_size!r}")
+    # As jax.nn: windows are int32. A wider one also says no more than 2**31 - 1 would, since
+    # the kernels take at most 2**31 positions, and keeps every position sum in int64.
+    if left >= _INT32_LIMIT or right >= _INT32_LIMIT:
+      raise ValueError(f"jaxflash.attention: local_window_size must be below 2**31 on both "
+                       f"sides, got {local_window_size!r}")
   if is_causal:
     right = 0
   return left, right

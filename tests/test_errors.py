@@ -72,6 +72,10 @@ ERROR_CASES = {
                                  [r"-2"]),
     "window_tuple_length_3": (dict(local_window_size=(1, 2, 3)), r"local_window_size",
                               [r"\(1, 2, 3\)|3"]),
+    "window_2_to_the_63": (dict(local_window_size=2**63), r"local_window_size",
+                           [r"9223372036854775808", r"2\*\*31"]),
+    "window_int64_max_in_tuple": (dict(local_window_size=(2**63 - 1, 0)), r"local_window_size",
+                                  [r"9223372036854775807", r"2\*\*31"]),
     "implementation_cudnn": (dict(implementation="cudnn"), r"implementation", [r"cudnn"]),
     "implementation_xla": (dict(implementation="xla"), r"implementation", [r"xla"]),
     "mask_alignment_middle": (dict(mask_alignment="middle"), r"mask_alignment", [r"middle"]),
@@ -103,3 +107,30 @@ def test_valid_call_does_not_raise(backend):
   """The base of every case above is valid: each error comes from its one change."""
   out = jaxflash.attention(**_valid())
   assert out.shape == (B, T, N, H)
+
+
+def test_lengths_beyond_int32_raise(backend):
+  """Concrete lengths are range-checked before conversion, which would wrap 2**32 + 5 to 5."""
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must fit in int32.*4294967301"):
+    jaxflash.attention(**_valid(), key_value_seq_lengths=np.array([2**32 + 5, 3]))
+
+
+def test_lengths_of_a_jax_array_must_be_int32(backend):
+  """A JAX array may be traced, so only its dtype can be checked: int32, as jax.nn."""
+  with pytest.raises(TypeError, match=r"query_seq_lengths must be an int32 array, got uint32"):
+    jaxflash.attention(**_valid(), query_seq_lengths=jnp.array([3, 5], jnp.uint32))
+
+
+def test_largest_window_equals_no_window(backend):
+  """2**31 - 1, the largest window taken, reaches every key: the same as no window, also in
+  the gradients (position arithmetic near the int32 limit must not overflow)."""
+  inputs = {name: jnp.asarray(x) for name, x in _valid().items()}
+
+  def run(**options):
+    loss = lambda q, k, v: jaxflash.attention(q, k, v, **options).sum()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(*inputs.values())
+
+  for window, same_as in (((2**31 - 1), {}), ((2**31 - 1, 0), dict(is_causal=True)),
+                          ((0, 2**31 - 1), dict(local_window_size=(0, 2 * S)))):
+    for got, want in zip(jax.tree.leaves(run(local_window_size=window)), jax.tree.leaves(run(**same_as))):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -485,6 +485,22 @@ def test_jit_equals_eager(options, backend):
     assert_bitwise_equal(j, e, f"jit vs eager, output {i}")
 
 
+@pytest.mark.parametrize("options", list(MASKING_OPTIONS))
+def test_disable_jit_equals_jit(options, backend):
+  """Under jax.disable_jit() each primitive still runs as one compiled kernel call."""
+  inputs = small_inputs(10, "float16")
+  static = MASKING_OPTIONS[options]
+  attention = lambda q, k, v: jaxflash.attention(q, k, v, **static)
+  loss = lambda q, k, v: jax.tree.leaves(attention(q, k, v))[0].astype(jnp.float32).sum()
+  fn = lambda q, k, v: (attention(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+  args = (inputs["query"], inputs["key"], inputs["value"])
+  jitted = jax.jit(fn)(*args)
+  with jax.disable_jit():
+    eager = fn(*args)
+  for i, (e, j) in enumerate(zip(jax.tree.leaves(eager), jax.tree.leaves(jitted))):
+    assert_bitwise_equal(e, j, f"disable_jit vs jit, output {i}")
+
+
 @pytest.mark.parametrize("q_shape,kv_shape", [((B, T, N, H), (B, S, 2, H)),
                                                ((T, N, H), (S, 1, H)),
                                                ((T, H), (S, H))],
