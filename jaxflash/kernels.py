@@ -177,12 +177,25 @@ def register_lowerings(platform: str) -> None:
   mlir.register_lowering(backward_kernel_p, backward_rule, platform=platform)
 
 
+def _not_built(platform: str):
+  """The lowering on a platform this build has no kernels for: a clear error at trace time
+  instead of JAX's "MLIR translation rule not found"."""
+  def rule(ctx, *args, config):
+    raise NotImplementedError(
+        f"jaxflash: this build has no {platform.upper()} kernels (it was built without them, "
+        f"e.g. on a machine with no GPU visible); reinstall with JAXFLASH_CUDA=ON pip install . "
+        f"(or JAXFLASH_CUDA_ARCHITECTURES=90a, say), or run on the CPU (JAX_PLATFORMS=cpu)")
+  return rule
+
+
 def _register() -> tuple[str, ...]:
   """Registers the FFI targets and lowerings this build has; returns the platforms."""
   platforms = []
   for platform, xla_platform, targets in (("cpu", "cpu", _native.cpu_targets()),
                                           ("cuda", "CUDA", _native.cuda_targets())):
     if not targets:
+      mlir.register_lowering(forward_kernel_p, _not_built(platform), platform=platform)
+      mlir.register_lowering(backward_kernel_p, _not_built(platform), platform=platform)
       continue
     for name, capsule in targets.items():
       ffi.register_ffi_target(name, capsule, platform=xla_platform)

@@ -134,3 +134,12 @@ def test_largest_window_equals_no_window(backend):
                           ((0, 2**31 - 1), dict(local_window_size=(0, 2 * S)))):
     for got, want in zip(jax.tree.leaves(run(local_window_size=window)), jax.tree.leaves(run(**same_as))):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.skipif("cuda" in jaxflash.backends(), reason="this build has CUDA kernels")
+def test_lowering_for_a_platform_without_kernels_says_how_to_build_them():
+  """A CPU-only build lowered for a GPU (a wheel built where no GPU was visible, run on one)."""
+  q = _valid()["query"]
+  traced = jax.jit(lambda q: jaxflash.attention(q, q, q)).trace(q)
+  with pytest.raises(NotImplementedError, match=r"no CUDA kernels.*JAXFLASH_CUDA=ON"):
+    traced.lower(lowering_platforms=("cuda",))
