@@ -43,6 +43,10 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 
   // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
   load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), Hp);
+  // P is 2^-p_shift times the probability (exactly: a power of two), so that the unnormalised
+  // sum of P.V stays below max|v| rather than reaching seqlen_k * max|v|, which overflows
+  // float32 for values near its maximum; row_sum carries the factor and lse takes it out.
+  const float p_shift = std::ceil(std::log2(static_cast<float>(std::max<int64_t>(p.seqlen_k, 1))));
 
   for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, keys.hi - s0);
@@ -60,11 +64,16 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
       for (int64_t j = 0; j < cols; ++j) tile_max = std::max(tile_max, s[j]);
       const float new_max = std::max(row_max[i], tile_max);
       if (new_max == kNegInf) {  // nothing visible yet: keep P = 0, avoid (-inf) - (-inf)
+        // std::max skips NaN, so a row whose every score is NaN (NaN in q, or in k or bias
+        // where nothing else is visible) lands here too: it must end NaN, as in jax.nn, not
+        // look like a row with no visible key.
+        if (std::any_of(s, s + cols, [](float x) { return x != x; }))
+          row_sum[i] = std::numeric_limits<float>::quiet_NaN();
         std::fill(s, s + cols, 0.f);
         continue;
       }
       const float correction = std::exp2(row_max[i] - new_max);  // 0 when row_max was -inf
-      exp2_shifted(s, cols, new_max);
+      exp2_shifted(s, cols, new_max + p_shift);
       float sum = 0.f;
       for (int64_t j = 0; j < cols; ++j) sum += s[j];
       row_sum[i] = row_sum[i] * correction + sum;
@@ -81,7 +90,7 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
     const bool empty = i >= live_rows || row_sum[i] == 0.f;
     const float inv = empty ? 0.f : (dropout ? p.keep_scale : 1.f) / row_sum[i];
     store_tile(acc.data() + i * Hp, Hp, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
-    lse[i * p.lse.row_stride] = empty ? kNegInf : (row_max[i] + std::log2(row_sum[i])) * kLn2;
+    lse[i * p.lse.row_stride] = empty ? kNegInf : (row_max[i] + p_shift + std::log2(row_sum[i])) * kLn2;
   }
 }
 

@@ -61,7 +61,7 @@ __device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const
   for (int mf = 0; mf < Cfg::kMF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) live[mf][h] = row0 + frag_row(mf, 2 * h, lane) < pos.q_len;
-  softmax_finalize(o, st, rt.exp_scale, rt.out_scale, live, lse);
+  softmax_finalize(o, st, rt.exp_scale, rt.p_shift, rt.out_scale, live, lse);
 
   if (lse_origin != nullptr && (lane & 3) == 0) {  // one lane of each quad owns the row
     float* out = lse_origin;

@@ -130,7 +130,7 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
       load_tile<kThreads>(sK, ops.k + (n0 - BN) * k_stride, k_stride, BN, cols, k_vec, tid);
       cp_async_commit();
     }
-    online_softmax(s, o, st, rt.exp_scale);
+    online_softmax(s, o, st, rt.exp_scale, rt.p_shift);
     // After the softmax's sums: dropout changes what reaches O, not the normaliser.
     if constexpr (Cfg::kGeneral)
       if (ops.seed != nullptr) drop_probabilities(s, dropout, dropout_rows, n0, lane);

@@ -40,11 +40,13 @@ __device__ __forceinline__ float quad_sum(float x) {
 __device__ __forceinline__ float exp_offset(float m, float exp_scale) { return m == -INFINITY ? 0.f : m * exp_scale; }
 
 // Folds one tile of scores into the state: s becomes P = exp2(s * exp_scale -
-// max), and O and the sums are rescaled to the new max. exp_scale > 0 (the
-// launcher guarantees it), so the max of s is the max of the scaled scores.
+// max - p_shift), and O and the sums are rescaled to the new max. exp_scale > 0
+// (the launcher guarantees it), so the max of s is the max of the scaled
+// scores. P carries the factor 2^-p_shift (FwdRuntime: it keeps the sum of P.V
+// finite); the sums carry it too, and softmax_finalize takes it out of lse.
 template <int MF, int NF, int DF>
 __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)[MF][DF][4], SoftmaxState<MF>& st,
-                                               float exp_scale) {
+                                               float exp_scale, float p_shift) {
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
@@ -56,6 +58,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
       const float offset = exp_offset(m, exp_scale);
       // Old max -inf (nothing seen yet): exp2(-inf) = 0, and O and sum are 0 anyway.
       const float alpha = fast_exp2(st.max[mf][h] * exp_scale - offset);
+      const float p_offset = offset + p_shift;
       st.max[mf][h] = m;
       float sum = 0.f;
 #pragma unroll
@@ -63,7 +66,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[mf][nf][2 * h + c];
-          x = fast_exp2(fmaf(x, exp_scale, -offset));  // one FFMA + one MUFU per score
+          x = fast_exp2(fmaf(x, exp_scale, -p_offset));  // one FFMA + one MUFU per score
           sum += x;
         }
       }
@@ -76,10 +79,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
 
 // After the last tile: O *= out_scale / sum, and lse (natural log) per row.
 // Rows that saw no visible key (sum == 0) or are not `live` (query padding)
-// get O = 0 and lse = -inf. out_scale is 1, or dropout's 1 / (1 - rate).
+// get O = 0 and lse = -inf. A NaN score (NaN in q, k or bias) makes the sum NaN
+// and so O and lse NaN, as in jax.nn: fmaxf drops NaN from the max, so the sum
+// is the only place it surfaces, and "sum > 0" would take it for an empty row.
+// out_scale is 1, or dropout's 1 / (1 - rate).
 template <int MF, int DF>
 __device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const SoftmaxState<MF>& st,
-                                                 float exp_scale, float out_scale, const bool (&live)[MF][2],
+                                                 float exp_scale, float p_shift, float out_scale,
+                                                 const bool (&live)[MF][2],
                                                  float (&lse)[MF][2]) {
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
@@ -87,9 +94,9 @@ __device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const So
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(st.sum[mf][h]);
-      const bool any = live[mf][h] && sum > 0.f;
+      const bool any = live[mf][h] && !(sum == 0.f);
       const float inv = any ? out_scale / sum : 0.f;
-      lse[mf][h] = any ? exp_offset(st.max[mf][h], exp_scale) * kLn2 + logf(sum) : -INFINITY;
+      lse[mf][h] = any ? (exp_offset(st.max[mf][h], exp_scale) + p_shift) * kLn2 + logf(sum) : -INFINITY;
 #pragma unroll
       for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= inv, o[mf][df][2 * h + 1] *= inv;
     }

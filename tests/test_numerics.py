@@ -1,0 +1,119 @@
+"""Hostile numerics, on every backend and kernel variant: NaN in any operand shows up in exactly
+the outputs and gradients where jax.nn has NaN, and values near the dtype's maximum do not
+overflow where jax.nn's result is finite.
+
+Kernel variants: on CUDA, head dims 64 and 128 without a bias take the fast forward (and, in
+16 bits on Hopper, the sm_90 backward); a bias or head dim 59 takes the general kernels; float32
+at precision="highest" the 3xTF32 ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+import reference
+
+B, T, S, N = 2, 150, 203, 2
+VARIANTS = {  # name -> (head dim, with a bias, precision)
+    "fast_d64": (64, False, None),
+    "fast_d128": (128, False, None),
+    "general_d59_bias": (59, True, None),
+}
+DTYPES = ("float32", "float16", "bfloat16")
+# One NaN per case, in a key tile past the first (at 64 keys a tile) and visible to some rows
+# under causal masking too.
+NAN_AT = {"query": (0, 5, 1, 3), "key": (1, 70, 0, 2), "value": (0, 71, 1, 0),
+          "bias": (1, 0, 120, 100)}
+
+
+def _inputs(key, dtype, head_dim, with_bias, value_scale=1.0):
+  keys = jax.random.split(key, 4)
+  shape_q, shape_kv = (B, T, N, head_dim), (B, S, N, head_dim)
+  inputs = dict(query=jax.random.normal(keys[0], shape_q).astype(dtype),
+                key=jax.random.normal(keys[1], shape_kv).astype(dtype),
+                # uniform, so that value_scale * it stays below the dtype's maximum
+                value=(value_scale * jax.random.uniform(keys[2], shape_kv, minval=-1, maxval=1)
+                       ).astype(dtype),
+                bias=jax.random.normal(keys[3], (B, N, T, S)).astype(dtype) if with_bias else None)
+  return {**dict.fromkeys(reference.NON_DIFFERENTIABLE), **inputs}
+
+
+def _nan_pattern(tree):
+  return [np.isnan(np.asarray(x, np.float32)) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", list(NAN_AT))
+def test_nan_propagates_as_in_jax_nn(where, dtype, variant, is_causal, backend, device):
+  head_dim, with_bias, precision = VARIANTS[variant]
+  if where == "bias" and not with_bias:
+    pytest.skip("no bias in this variant")
+
+  def make():
+    inputs = _inputs(jax.random.key(0), dtype, head_dim, with_bias)
+    inputs[where] = inputs[where].at[NAN_AT[where]].set(jnp.nan)
+    cotangent = jax.random.normal(jax.random.key(1), (B, T, N, head_dim)).astype(dtype)
+    return inputs, cotangent
+
+  inputs, cotangent = reference.made_on_cpu(device, make)
+  options = dict(is_causal=is_causal, precision=precision)
+  ours = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **options)
+  # jax.nn itself, in float32 (NaN does not depend on the dtype; jax.nn's half-precision
+  # gradients do not compile on the CPU).
+  theirs = reference.on_cpu(reference.forward_and_grads, jax.nn.dot_product_attention,
+                            reference.upcast_floats(inputs), cotangent, is_causal=is_causal)
+  names = ["out"] + sorted(ours[1])
+  ours_nan = _nan_pattern((ours[0], [ours[1][n] for n in sorted(ours[1])]))
+  theirs_nan = _nan_pattern((theirs[0], [theirs[1][n] for n in sorted(theirs[1])]))
+  assert ours_nan[0].any(), "the NaN did not reach the output"
+  if where == "value" and is_causal:
+    # The NaN must reach the queries that see its key (causal: t >= key), and may reach others
+    # only as jax.nn does: jax.nn has NaN in every row, multiplying it by the zero probability
+    # of a masked key, the kernels only in the rows of a key tile they visit.
+    b, key, head, dim = NAN_AT["value"]
+    seen = np.zeros_like(theirs_nan[0])
+    seen[b, key:, head, dim] = True
+    mine, upper = ours_nan.pop(0), theirs_nan.pop(0)
+    names.pop(0)
+    assert not (seen & ~mine).any(), f"out: finite in {int((seen & ~mine).sum())} rows that see the NaN"
+    assert not (mine & ~upper).any(), "out: NaN where jax.nn has none"
+  for name, mine, expected in zip(names, ours_nan, theirs_nan):
+    if is_causal and name != "out":
+      # Under masking the gradients' NaN patterns differ in both directions: jax.nn's dense
+      # einsums carry a NaN operand through zero coefficients (0 * NaN) into rows that never see
+      # it, which the kernels skip; the kernels' dS = P (dP - delta) is 0 * NaN at masked
+      # entries of a visited tile, where jax.nn's mask cuts the gradient. What must hold is that
+      # a gradient that jax.nn makes NaN is NaN here too: the fault is never hidden.
+      assert mine.any() or not expected.any(), f"{name}: no NaN, jax.nn has {int(expected.sum())}"
+      continue
+    assert np.array_equal(mine, expected), (
+        f"{name}: NaN at {int(mine.sum())} positions, expected {int(expected.sum())}; first "
+        f"difference at {tuple(int(i) for i in np.argwhere(mine != expected)[0])}")
+
+
+# Just below each dtype's largest finite value (bf16 and float32 share float32's range).
+NEAR_MAX = {"float32": 1e38, "bfloat16": 3e38, "float16": 6e4}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["highest_d64"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_near_the_dtype_maximum_do_not_overflow(dtype, variant, backend, device):
+  """The output is a convex combination of rows of V, so it is finite whenever V is; a sum of
+  S unnormalised products would not be (S * 3e38 overflows float32)."""
+  head_dim, with_bias, precision = VARIANTS.get(variant, (64, False, "highest"))
+  if precision and dtype != "float32":
+    pytest.skip("precision='highest' selects other kernels for float32 only")
+  inputs = reference.made_on_cpu(
+      device, lambda: _inputs(jax.random.key(2), dtype, head_dim, with_bias, NEAR_MAX[dtype]))
+  arrays = {n: inputs[n] for n in ("query", "key", "value", "bias")}
+  ours = jax.jit(lambda **a: jaxflash.attention(**a, precision=precision))(**arrays)
+  ref = reference.on_cpu(reference.reference_attention, **reference.upcast_floats(arrays))
+  tf32 = reference.baseline_uses_tf32(backend, dtype, precision)
+  base = reference.on_cpu(lambda **a: reference.baseline_attention(**a, tf32=tf32), **arrays)
+  reference.assert_close(ours, ref, base, reference.compute_name(backend, dtype, precision), "out")
