@@ -21,7 +21,7 @@ the platform (and of XLA's GPU algebra) and saves the GPU compiles that used to 
 CUDA run.
 
 jaxflash differs from jax.nn in two documented ways that the reference applies on top of
-jax.nn (docs/CONTRACT_DRAFT.md):
+jax.nn (README.md, "Differences from jax.nn.dot_product_attention"):
   * a query row with no visible key outputs 0 and has lse = -inf (jax.nn averages V uniformly
     there and gives a large negative finite lse);
   * the returned lse is differentiable (jax.nn stop-gradients it), so the reference computes
