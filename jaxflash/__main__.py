@@ -2,7 +2,8 @@
 
 Runs on the backend JAX picked (the GPU if there is one, else the CPU), after a header that
 says what this build of jaxflash is (its version, the CUDA architectures its kernels were built
-for, the XLA FFI API it was built against) and what JAX runs on:
+for, the XLA FFI API it was built against, which instruction sets its CPU kernels run with) and
+what JAX runs on:
 
 1. a self-check: jaxflash against jax.nn.dot_product_attention on a few configurations in each
    of float32, float16 and bfloat16, forward and gradients. Each result is held to
@@ -578,6 +579,7 @@ def build_header(build: dict) -> list[str]:
   return [f"jaxflash {jaxflash.__version__}: kernels for {', '.join(build['platforms'])}; CUDA "
           f"architectures: {build['cuda_architectures'] or 'none (a CPU-only build)'}; built "
           f"against XLA FFI API {major}.{minor}",
+          f"CPU kernels: {build['cpu_instruction_sets']}",
           f"JAX {jax.__version__} (jaxlib {jaxlib.__version__}) on {jax.default_backend()}: "
           f"{_device_name()}"]
 
@@ -596,6 +598,7 @@ def json_report(args, build: dict, checks: list[CheckResult] | None,
   report = {
       "jaxflash": dict(version=jaxflash.__version__, backends=list(build["platforms"]),
                        cuda_architectures=build["cuda_architectures"],
+                       cpu_instruction_sets=build["cpu_instruction_sets"],
                        ffi_api_version=".".join(map(str, build["ffi_api_version"]))),
       "jax": dict(version=jax.__version__, jaxlib_version=jaxlib.__version__,
                   backend=jax.default_backend()),

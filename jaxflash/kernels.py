@@ -209,7 +209,9 @@ PLATFORMS = _register()
 
 def build_info() -> dict:
   """What the loaded extension is: the jaxflash version it was built from, the CUDA
-  architectures it has kernels for ("" in a CPU-only build), the XLA FFI API version of the
-  headers it was built against, and the platforms it has kernels for (jaxflash.backends())."""
+  architectures it has kernels for ("" in a CPU-only build), how its CPU kernels were built and
+  which of their instruction-set clones this CPU runs, the XLA FFI API version of the headers
+  it was built against, and the platforms it has kernels for (jaxflash.backends())."""
   return dict(version=_native.version, cuda_architectures=_native.cuda_architectures,
+              cpu_instruction_sets=_native.cpu_instruction_sets,
               ffi_api_version=tuple(_native.ffi_api_version), platforms=PLATFORMS)

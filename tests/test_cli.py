@@ -44,6 +44,7 @@ def test_main_job_self_check_passes_and_prints_table(tmp_path, capsys):
   assert f"jaxflash {jaxflash.__version__}: kernels for {', '.join(jaxflash.backends())}" in out
   assert f"CUDA architectures: {build['cuda_architectures'] or 'none'}" in out
   assert f"XLA FFI API {major}.{minor}" in out and f"JAX {jax.__version__}" in out
+  assert f"CPU kernels: {build['cpu_instruction_sets']}" in out
   lines = out.splitlines()
   for dtype in main_job.CHECK_DTYPES:
     for name, *_ in main_job.CHECKS:
@@ -66,6 +67,7 @@ def test_main_job_self_check_passes_and_prints_table(tmp_path, capsys):
   report = json.loads(json_path.read_text())
   assert report["jaxflash"]["version"] == jaxflash.__version__
   assert report["jaxflash"]["cuda_architectures"] == build["cuda_architectures"]
+  assert report["jaxflash"]["cpu_instruction_sets"] == build["cpu_instruction_sets"]
   assert report["jaxflash"]["ffi_api_version"] == f"{major}.{minor}"
   assert (report["jax"]["version"], report["jax"]["backend"]) == (jax.__version__,
                                                                    jax.default_backend())

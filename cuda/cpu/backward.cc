@@ -93,6 +93,7 @@ uint32_t broadcast_axes(const AttentionParams& p, const ArrayView& out) {
 
 // Pass A: dK, dV for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
 template <class T, class BiasT>
+JAXFLASH_CPU_TASK
 void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept, int64_t s0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H);
   const int64_t cols = std::min(kBlockK, p.seqlen_k - s0);
@@ -136,6 +137,7 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
 
 // Pass B: dQ for the Q tiles of one task, and their share of dbias.
 template <class T, class BiasT>
+JAXFLASH_CPU_TASK
 void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept,
                           int64_t first_t0, int64_t last_t0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H), S = p.seqlen_k;

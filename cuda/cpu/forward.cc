@@ -13,6 +13,7 @@ namespace {
 
 // OutT is T, or float when the forward writes the backward's float32 residual.
 template <class T, class BiasT, class OutT>
+JAXFLASH_CPU_TASK
 void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H);  // Hp: padded row length of feature tiles
   const InstanceBounds bounds = instance_bounds(p, inst);

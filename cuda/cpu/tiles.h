@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "cuda/cpu/isa.h"
 #include "cuda/cpu/numeric.h"
 #include "cuda/dropout.h"
 #include "cuda/params.h"

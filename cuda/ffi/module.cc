@@ -3,6 +3,7 @@
 // this build is and the constants of its contract with jaxflash/contract.py.
 #include <nanobind/nanobind.h>
 
+#include "cuda/cpu/isa.h"
 #include "cuda/ffi/decode.h"
 #include "cuda/ffi/handlers.h"
 #include "cuda/params.h"
@@ -60,6 +61,7 @@ NB_MODULE(_native, m) {
 #else
   m.attr("cuda_architectures") = "";
 #endif
+  m.attr("cpu_instruction_sets") = jaxflash::cpu::instruction_sets();
   m.def("contract", &contract);
   m.def("cpu_targets", []() {
     nb::dict targets;
