@@ -8,6 +8,7 @@
 // (shared K/V under vmap, a bias without a batch axis, GQA) is a zero stride.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -32,7 +33,8 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 // One operand seen as [instance..., row, col], strides in elements.
 //   q, k, v, o, d_o, dq, dk, dv : row = sequence position, col = feature (head dim)
 //   bias, mask, dbias           : row = query position,    col = key position
-//   lse, delta                  : row = query position,    col unused
+//   lse                         : row = query position,    col = hi, lo (2 floats; below)
+//   delta                       : row = query position,    col unused
 //   q_lens, kv_lens             : instance strides only
 //   seed                        : col = word (2 uint32 per instance), no rows
 // data == nullptr means the operand is absent.
@@ -96,7 +98,15 @@ struct AttentionParams {
   // Forward operands and results.
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
   ArrayView seed;                                  // uint32: the dropout seed of each instance
-  ArrayView o, lse;                                // lse: float32, natural log, -inf for empty rows
+  // lse: float32, in base 2, as an unevaluated sum of two floats per row, col 0 = hi and
+  // col 1 = lo: hi + lo = log2 Σ_s 2^(log2(e)·logit) exactly as the forward formed it
+  // (LseSplit below); hi = -inf, lo = 0 for a row that sees no key. The backward
+  // recomputes P = 2^(s - hi - lo): with logits of 1e4 one float's ulp there is ~1e-3,
+  // so a single rounded lse would move every recomputed probability by up to ~0.07%
+  // (dk, dq 1e3x jax.nn's error); hi and lo keep it exact. Base 2 is the kernels' own unit
+  // (their softmax runs on exp2), so nothing converts between forward and backward.
+  // jaxflash/attention.py hands callers hi·ln 2, the natural log.
+  ArrayView o, lse;
 
   // Backward operands and results (unused by the forward). delta is
   // Δ = rowsum(dO ∘ O) - dlse per query row (float32), computed by XLA from the
@@ -133,6 +143,27 @@ struct InstanceBounds {
   int64_t kv_len;  // keys >= kv_len are never visible
   int64_t offset;  // diagonal offset (see window_left)
 };
+
+// The forward computes P as 2^-p_shift times the probability, p_shift = ceil(log2(seqlen_k))
+// (a power of two, folded into the exp2's offset, so free): the unnormalised sum of P·V then
+// stays below max|v| where it could reach seqlen_k·max|v| and overflow float32 (bf16 / f32
+// values near 3e38). The row sums carry the factor and the lse takes it out.
+inline float probability_shift(int64_t seqlen_k) {
+  return ceilf(log2f(static_cast<float>(seqlen_k > 1 ? seqlen_k : 1)));
+}
+
+// The lse's two floats (see AttentionParams::lse): hi = fl(offset + log2_sum) and lo its
+// rounding error, so hi + lo == offset + log2_sum exactly (Knuth's TwoSum, valid whatever
+// the magnitudes). `offset` is the exact float the forward subtracted before its exp2 (row
+// max and p_shift included), log2_sum the log2 of the row's sum of those powers.
+struct LseSplit {
+  float hi, lo;
+};
+JF_HOST_DEVICE LseSplit split_lse(float offset, float log2_sum) {
+  const float hi = offset + log2_sum;
+  const float b = hi - offset;
+  return {hi, (offset - (hi - b)) + (log2_sum - b)};
+}
 
 JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t linear) {
   InstanceBounds b{p.seqlen_q, p.seqlen_k, p.diagonal_offset};

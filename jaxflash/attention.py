@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxflash import primitives
 from jaxflash import ring as ring_lib
 from jaxflash.contract import Flag, KernelConfig, absent
-from jaxflash.layout import Layout
+from jaxflash.layout import Layout, drop_col
 from jaxflash.validation import validate, validate_ring
 
 
@@ -128,22 +128,31 @@ def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
       q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), config=config)
 
 
+def _natural(lse2):
+  """The kernels' lse (base 2, hi and lo on the last axis: cuda/params.h says why) as the
+  natural log callers get: hi ln 2 (lo is below hi's rounding). Only the returned value
+  converts; the backward gets the kernels' own pair."""
+  return lse2[..., 0] * np.float32(np.log(2.0))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _flash(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
-  return tuple(_bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config))
+  out, lse2 = _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config)
+  return out, _natural(lse2)
 
 
 def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
   values = [x.value if x is not None else None
             for x in (q, k, v, bias, mask, q_lens, kv_lens, seed)]
   # The output stays float32 as the backward's residual (see delta in _flash_bwd).
-  out32, lse = _bind_forward(*values, config.replace(flags=config.flags | Flag.OUTPUT_F32))
+  out32, lse2 = _bind_forward(*values, config.replace(flags=config.flags | Flag.OUTPUT_F32))
   want_dbias = bias is not None and bias.perturbed
-  return (out32.astype(values[0].dtype), lse), (tuple(values), out32, lse, _WantDbias(want_dbias))
+  return ((out32.astype(values[0].dtype), _natural(lse2)),
+          (tuple(values), out32, lse2, _WantDbias(want_dbias)))
 
 
 def _flash_bwd(config, residuals, cotangents):
-  (q, k, v, bias, mask, q_lens, kv_lens, seed), out32, lse, want_dbias = residuals
+  (q, k, v, bias, mask, q_lens, kv_lens, seed), out32, lse2, want_dbias = residuals
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
@@ -162,16 +171,16 @@ def _flash_bwd(config, residuals, cotangents):
     flags |= Flag.HAS_DBIAS
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
   dq, dk, dv, dbias = primitives.backward_p.bind(
-      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), lse, delta,
+      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), lse2, delta,
       d_out.astype(q.dtype), config=bwd_config)
   if closed_form_dbias:
-    dbias = _row_shift_gradient(d_lse, lse, bias)
+    dbias = _row_shift_gradient(d_lse, lse2[..., 0], bias)
   return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None, None
 
 
 def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:
-  """The backward's d_o, delta, dq, dk and dv: laid out as o, lse, q, k and v."""
-  return {"d_o": config.layout("o"), "delta": config.layout("lse"), "dq": config.layout("q"),
+  """The backward's d_o, delta, dq, dk and dv: laid out as o, o's rows, q, k and v."""
+  return {"d_o": config.layout("o"), "delta": drop_col(config.layout("o")), "dq": config.layout("q"),
           "dk": config.layout("k"), "dv": config.layout("v")}
 
 
@@ -264,23 +273,23 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ring(q, k, v, ring: ring_lib.Ring):
-  out32, lse = ring_lib.forward(q, k, v, ring)
-  return out32.astype(q.dtype), lse
+  out32, lse2 = ring_lib.forward(q, k, v, ring)
+  return out32.astype(q.dtype), _natural(lse2)
 
 
 def _ring_fwd(q, k, v, ring):
-  out32, lse = ring_lib.forward(q, k, v, ring)
-  return (out32.astype(q.dtype), lse), (q, k, v, out32, lse)
+  out32, lse2 = ring_lib.forward(q, k, v, ring)
+  return (out32.astype(q.dtype), _natural(lse2)), (q, k, v, out32, lse2)
 
 
 def _ring_bwd(ring, residuals, cotangents):
-  q, k, v, out32, lse = residuals
+  q, k, v, out32, lse2 = residuals
   d_out, d_lse = cotangents
   config = ring.config
   delta = _delta(d_out, out32, config)
   delta = delta - d_lse.astype(jnp.float32)
   backward = dataclasses.replace(ring, config=config.with_layouts(_gradient_layouts(config)))
-  return ring_lib.backward(q, k, v, lse, delta, d_out.astype(q.dtype), backward)
+  return ring_lib.backward(q, k, v, lse2, delta, d_out.astype(q.dtype), backward)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

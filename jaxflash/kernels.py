@@ -4,6 +4,9 @@
 ``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
                          -> (dq, dk, dv, dbias, workspace)
 
+lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
+lo, whose sum is exact (cuda/params.h says why); jaxflash.attention hands its callers
+hi ln 2, the natural log.
 Absent optional operands are zero-size arrays (flags say which are present);
 ``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py).
 ``workspace`` is the CUDA backward's scratch (uint8), sized here at abstract
@@ -31,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxflash import __version__, native
 from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, DTYPE_CODES, FORWARD_INPUTS,
                                FORWARD_RESULTS, Flag, KernelConfig)
-from jaxflash.layout import drop_col, insert_axis, shape_of
+from jaxflash.layout import insert_axis, lse_layout, shape_of
 
 _native = native.load(__version__)
 
@@ -85,12 +88,12 @@ def forward_batching_rule(primitive):
   def rule(args, dims, *, config):
     config, axis = _new_instance_axis(config, FORWARD_INPUTS, args, dims)
     # The output follows q's layout (the vmapped axis where q has it, else in
-    # front); lse is the output's layout without the feature axis.
+    # front); lse has the output's rows and instance axes.
     o_dim = dims[0] if dims[0] is not None else 0
     o_layout = insert_axis(config.layout("o"), o_dim, axis)
-    lse_layout = drop_col(o_layout)
-    config = config.with_layouts({"o": o_layout, "lse": lse_layout})
-    return primitive.bind(*args, config=config), (o_dim, lse_layout.index(axis))
+    lse = lse_layout(o_layout)
+    config = config.with_layouts({"o": o_layout, "lse": lse})
+    return primitive.bind(*args, config=config), (o_dim, lse.index(axis))
   return rule
 
 

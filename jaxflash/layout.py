@@ -48,6 +48,12 @@ def drop_col(layout: Layout) -> Layout:
   return tuple(axis for axis in layout if axis[0] != COL)
 
 
+def lse_layout(o_layout: Layout) -> Layout:
+  """The kernels' lse for an output laid out as `o_layout`: its rows, and as the COL axis
+  (last) the lse's two floats, hi and lo (cuda/params.h says why two)."""
+  return drop_col(o_layout) + ((COL, 2),)
+
+
 def col_minor_order(layout: Layout) -> tuple[int, ...] | None:
   """A physical axis order (major to minor) in which the COL axis is minor-most.
 

@@ -4,7 +4,8 @@
 ``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
                   -> (dq, dk, dv, dbias)
 
-They describe the whole (global) problem. Each has an abstract evaluation, the
+lse is the kernels' base-2 logsumexp (jaxflash/kernels.py). They describe the
+whole (global) problem. Each has an abstract evaluation, the
 batching rule of the kernel primitive of its direction (jaxflash/kernels.py:
 one custom call per direction, whatever the vmap nesting, and no transpose or
 copy of the operands; except on CUDA for an operand vmapped on an axis after its

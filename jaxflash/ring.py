@@ -3,9 +3,10 @@
 Each of the n devices on the ring holds a block of the queries and a block of
 the keys/values. The K/V blocks travel round the ring by collective permutes
 (the next block is sent while the current one is computed on), and each device
-merges the partial results of its queries by their logsumexp:
+merges the partial results of its queries by their logsumexp (in base 2 and as
+two floats per row, as the kernels write it: cuda/params.h):
 
-  lse = log(e^lse_a + e^lse_b),  o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b
+  lse = log2(2^lse_a + 2^lse_b),  o = 2^(lse_a - lse) o_a + 2^(lse_b - lse) o_b
 
 so that no device ever holds more than two K/V blocks, and nothing T x S. The
 backward runs the same ring with the merged lse and delta = rowsum(dO o O):
@@ -248,13 +249,32 @@ def _update_rows(x, layout: Layout, span: Span, update):
   return lax.dynamic_update_slice_in_dim(x, part, lo, axis)
 
 
-def _merge(acc, part, o_layout: Layout):
-  """The logsumexp merge of two partial (o, lse) of the same queries."""
+def _two_sum(a, b):
+  """(hi, lo) with hi = fl(a + b) and hi + lo == a + b exactly (cuda/params.h, split_lse)."""
+  hi = a + b
+  b_part = hi - a
+  return hi, (a - (hi - b_part)) + (b - b_part)
+
+
+def _merge(acc, part, o_layout: Layout, lse_layout: Layout):
+  """The logsumexp merge of two partial (o, lse) of the same queries. lse is the kernels'
+  (base 2, hi and lo along its COL axis, cuda/params.h), and so is the merged one: each side's
+  log-sum is taken relative to the larger hi, where hi - base is exact and small, and the
+  merged pair is base + that log-sum, split again without rounding."""
   (o_a, lse_a), (o_b, lse_b) = acc, part
-  lse = jnp.logaddexp(lse_a, lse_b)
-  base = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows that see no key yet stay 0 / -inf
-  weight = lambda l: jnp.expand_dims(jnp.exp(l - base), role_axis(o_layout, COL))
-  return o_a * weight(lse_a) + o_b * weight(lse_b), lse
+  col = role_axis(lse_layout, COL)
+  hi_lo = lambda lse: (lax.index_in_dim(lse, 0, col, False), lax.index_in_dim(lse, 1, col, False))
+  (hi_a, lo_a), (hi_b, lo_b) = hi_lo(lse_a), hi_lo(lse_b)
+  top = jnp.maximum(hi_a, hi_b)
+  empty = jnp.isneginf(top)  # rows that see no key yet stay 0 / (-inf, 0)
+  base = jnp.where(empty, 0.0, top)
+  relative = lambda hi, lo: jnp.where(jnp.isneginf(hi), -jnp.inf, (hi - base) + lo)
+  rel_a, rel_b = relative(hi_a, lo_a), relative(hi_b, lo_b)
+  log_sum = jnp.where(empty, 0.0, jnp.logaddexp2(rel_a, rel_b))
+  weight = lambda rel: jnp.expand_dims(jnp.exp2(rel - log_sum), role_axis(o_layout, COL))
+  hi, lo = _two_sum(base, log_sum)
+  lse = jnp.stack([jnp.where(empty, -jnp.inf, hi), jnp.where(empty, 0.0, lo)], axis=col)
+  return o_a * weight(rel_a) + o_b * weight(rel_b), lse
 
 
 def _travel(ring: Ring, ring_pass: Pass, k, v, S: int):
@@ -310,7 +330,7 @@ def forward(q, k, v, ring: Ring):
         continue
       # The merge needs both operands' rows at once: slice both, merge, write both back.
       merged = _merge((_rows(o, o_layout, lo, hi - lo), _rows(lse, lse_layout, lo, hi - lo)),
-                      (o_part, lse_part), o_layout)
+                      (o_part, lse_part), o_layout, lse_layout)
       o = _update_rows(o, o_layout, span, lambda _: merged[0])
       lse = _update_rows(lse, lse_layout, span, lambda _: merged[1])
   return o, lse

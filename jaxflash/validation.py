@@ -18,7 +18,7 @@ import numpy as np
 from jaxflash import dropout as dropout_lib
 from jaxflash import ring as ring_lib
 from jaxflash.contract import UNBOUNDED, Flag, KernelConfig
-from jaxflash.layout import COL, ROW, Layout, drop_col
+from jaxflash.layout import COL, ROW, Layout, lse_layout
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 MAX_HEAD_DIM = 256
@@ -186,7 +186,7 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   layouts = {"q": seq_layout(q, head_role), "k": seq_layout(k, kv_head_role),
              "v": seq_layout(v, kv_head_role)}
   layouts["o"] = layouts["q"]
-  layouts["lse"] = drop_col(layouts["q"])
+  layouts["lse"] = lse_layout(layouts["q"])
   for name, layout, flag in (("bias", bias_layout, Flag.HAS_BIAS),
                              ("mask", mask_layout, Flag.HAS_MASK),
                              ("q_lens", q_lens_layout, Flag.HAS_Q_LENS),

@@ -471,6 +471,40 @@ def forward_and_grads(attention_fn: Callable, inputs: Mapping[str, jax.Array | N
   return outputs, {GRAD_NAMES[n]: g for n, g in grads.items()}
 
 
+def float64_forward_and_grads(inputs: Mapping[str, jax.Array | None], cotangent, *,
+                              is_causal: bool = False):
+  """forward_and_grads' ((out, lse), grads) of plain attention in float64 with NumPy, from the
+  (rounded) inputs, for cotangents (d_out, d_lse): the reference where the float32 one is not
+  exact enough to judge against, i.e. logits so large that float32's rounding of them moves the
+  probabilities (test_numerics' large logits). 4-D query/key/value with as many key heads as
+  query heads, an optional (B, N, T, S) bias, top-left causal masking; every row must see a key.
+  """
+  f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  q, k, v = (np.swapaxes(f64(inputs[n]), 1, 2) for n in ("query", "key", "value"))  # BNTH
+  d_out, d_lse = np.swapaxes(f64(cotangent[0]), 1, 2), np.swapaxes(f64(cotangent[1]), 1, 2)
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  logits = scale * q @ np.swapaxes(k, -1, -2)
+  if inputs.get("bias") is not None:
+    logits = logits + f64(inputs["bias"])
+  if is_causal:
+    T, S = logits.shape[-2:]
+    logits = np.where(np.tri(T, S, dtype=bool), logits, -np.inf)
+  top = logits.max(axis=-1, keepdims=True)
+  unnormalised = np.exp(logits - top)
+  total = unnormalised.sum(axis=-1, keepdims=True)
+  p = unnormalised / total
+  out, lse = p @ v, (top + np.log(total))[..., 0]
+  # d logits = P o (dP - rowsum(dO o O)) + P d_lse
+  dp = d_out @ np.swapaxes(v, -1, -2)
+  ds = p * (dp - (d_out * out).sum(axis=-1, keepdims=True) + d_lse[..., None])
+  grads = {"dq": scale * ds @ k, "dk": scale * np.swapaxes(ds, -1, -2) @ q,
+           "dv": np.swapaxes(p, -1, -2) @ d_out}
+  grads = {name: np.swapaxes(g, 1, 2) for name, g in grads.items()}
+  if inputs.get("bias") is not None:
+    grads["dbias"] = ds
+  return (np.swapaxes(out, 1, 2), np.swapaxes(lse, 1, 2)), grads
+
+
 def reference_and_baseline(inputs: Mapping[str, jax.Array | None], cotangent, *, backend: str,
                            **static_kwargs):
   """The reference's and the baseline's (outputs, grads) for jaxflash.attention(**inputs,

@@ -117,3 +117,56 @@ def test_values_near_the_dtype_maximum_do_not_overflow(dtype, variant, backend, 
   tf32 = reference.baseline_uses_tf32(backend, dtype, precision)
   base = reference.on_cpu(lambda **a: reference.baseline_attention(**a, tf32=tf32), **arrays)
   reference.assert_close(ours, ref, base, reference.compute_name(backend, dtype, precision), "out")
+
+
+def _xfail_here(request, reason: str):
+  """Marks the running test as a known failure (not strict: some of the cases pass by margin)."""
+  request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["highest_d64"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_logits_keep_the_gradients_accurate(dtype, variant, is_causal, backend, device,
+                                                  request):
+  """Logits of ~1e4 (q and k of ~100): the softmax is near one-hot and the backward recomputes
+  P = exp(logit - lse) from an lse whose float32 ulp is ~1e-3, so any rounding of the lse
+  between forward and backward moves every P (it did: dv 3e4x jax.nn's error on the CPU, dq 4e3x
+  on the H100). The lse the caller gets, and its cotangent, are checked too. At this size float32
+  logits themselves carry errors of ~1e-3 (in jax.nn too), so the reference is float64."""
+  head_dim, with_bias, precision = VARIANTS.get(variant, (64, False, "highest"))
+  if precision and dtype != "float32":
+    pytest.skip("precision='highest' selects other kernels for float32 only")
+  if backend == "cuda" and dtype == "float16" and variant.startswith("fast"):
+    # Seen on the H100 (2026-11-25): dq / dk 0.25 against a bound of 0.17-0.23.
+    _xfail_here(request, "the sm_90 backward (16-bit, head dim 64 / 128 on Hopper) recomputes "
+                "S = K·Qᵀ with wgmma, whose sums round differently from the forward's mma.sync: "
+                "at logits of 1e4 P moves by ~1e-3 (open in issue 15); bf16's own rounding hides it")
+  # (The 16-bit kernels also leave out the lse's lo, cuda/gpu/bwd_scores.h; fp16's mma.sync
+  # backward, the general_d59_bias variant here, passes without it.)
+  if backend == "cuda" and dtype == "float32":
+    # Seen on the H100 (2026-11-25): out 7e-4 (tf32, bound 6.5e-4), 9.5e-4 (3xTF32, bound 5.2e-4).
+    _xfail_here(request, "tensor-core float32 logits (tf32, and 3xTF32 without its small·small "
+                "term) at 1e4 are off by ~1e-3 more than XLA's float32 dot, which moves the "
+                "forward's P (open in issue 15, float32 accuracy)")
+
+  def make():
+    inputs = _inputs(jax.random.key(3), dtype, head_dim, with_bias)
+    for name in ("query", "key"):
+      inputs[name] = (100 * inputs[name].astype(jnp.float32)).astype(dtype)
+    cotangents = jax.random.split(jax.random.key(4))
+    cotangent = (jax.random.normal(cotangents[0], (B, T, N, head_dim)).astype(dtype),
+                 jax.random.normal(cotangents[1], (B, T, N)).astype(dtype))
+    return inputs, cotangent
+
+  inputs, cotangent = reference.made_on_cpu(device, make)
+  static = dict(is_causal=is_causal, precision=precision, return_residual=True)
+  ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+  _, (base, base_grads) = reference.reference_and_baseline(inputs, cotangent, backend=backend,
+                                                           **static)
+  ref, ref_grads = reference.float64_forward_and_grads(inputs, cotangent, is_causal=is_causal)
+  compute = reference.compute_name(backend, dtype, precision)
+  for what, o, r, b in zip(("out", "lse"), ours, ref, base):
+    reference.assert_close(o, r, b, compute, what)
+  for name in ours_grads:
+    reference.assert_close(ours_grads[name], ref_grads[name], base_grads[name], compute, name)

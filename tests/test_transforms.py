@@ -444,7 +444,7 @@ def test_cuda_lowering_makes_the_feature_axis_minor():
 
   (fwd,) = _cuda_custom_calls(fn, *operands)
   assert _layouts(fwd, "operand_layouts")[:3] == [[2, 1, 0], [2, 1, 0], [1, 2, 0]]
-  assert _layouts(fwd, "result_layouts") == [[2, 1, 0], [1, 0]]  # o, lse
+  assert _layouts(fwd, "result_layouts") == [[2, 1, 0], [2, 1, 0]]  # o; lse: rows, (hi, lo)
   assert _slot_strides(fwd, "q") == [T * H, H, 1]
   assert _slot_strides(fwd, "k") == [H, N * H, 1]
   assert _slot_strides(fwd, "v") == [H, N * H, 1]  # physical (S, N, H)

@@ -26,13 +26,15 @@ namespace jaxflash::cpu {
 namespace {
 
 // One Q tile's inputs to the gradient: q (pre-scaled by scale·log2e), dO, and per
-// row lse in base 2 and Δ (computed by XLA from the float32 output).
+// row the lse in base 2 as two floats (params.h) and Δ (computed by XLA from the float32
+// output).
 struct QTile {
-  std::vector<float> q, d_o, lse2, delta;
+  std::vector<float> q, d_o, lse_hi, lse_lo, delta;
   int64_t rows = 0;
   int64_t ld;  // padded row length of q and d_o
   explicit QTile(int64_t H)
-      : q(kBlockQ * round_up_vec(H)), d_o(kBlockQ * round_up_vec(H)), lse2(kBlockQ), delta(kBlockQ),
+      : q(kBlockQ * round_up_vec(H)), d_o(kBlockQ * round_up_vec(H)), lse_hi(kBlockQ), lse_lo(kBlockQ),
+        delta(kBlockQ),
         ld(round_up_vec(H)) {}
 };
 
@@ -47,7 +49,8 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
   const float* lse = element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
   const float* delta = element<float>(p.delta, instance_offset(p, p.delta, inst) + t0 * p.delta.row_stride);
   for (int64_t i = 0; i < rows; ++i) {
-    tile.lse2[i] = lse[i * p.lse.row_stride] * kLog2e;
+    tile.lse_hi[i] = lse[i * p.lse.row_stride];
+    tile.lse_lo[i] = lse[i * p.lse.row_stride + p.lse.col_stride];
     tile.delta[i] = delta[i * p.delta.row_stride];
   }
 }
@@ -66,10 +69,10 @@ void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& b
     float* si = s + i * kBlockK;
     float* dpi = dp + i * kBlockK;
     // lse = -inf marks a row with no visible key: all its P are 0.
-    if (tile.lse2[i] == kNegInf)
+    if (tile.lse_hi[i] == kNegInf)
       std::fill(si, si + cols, 0.f);
     else
-      exp2_shifted(si, cols, tile.lse2[i]);
+      exp2_shifted(si, cols, tile.lse_hi[i], tile.lse_lo[i]);
     if (!p.has(kDropout)) {
       for (int64_t j = 0; j < cols; ++j) dpi[j] = si[j] * (dpi[j] - tile.delta[i]);
       continue;

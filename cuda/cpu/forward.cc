@@ -11,6 +11,14 @@
 namespace jaxflash::cpu {
 namespace {
 
+// A row that sees no key: lse = -inf (hi), 0 (lo).
+constexpr LseSplit kEmptyRow{kNegInf, 0.f};
+
+void store_lse(const AttentionParams& p, float* lse, int64_t row, LseSplit value) {
+  lse[row * p.lse.row_stride] = value.hi;
+  lse[row * p.lse.row_stride + p.lse.col_stride] = value.lo;
+}
+
 // OutT is T, or float when the forward writes the backward's float32 residual.
 template <class T, class BiasT, class OutT>
 JAXFLASH_CPU_TASK
@@ -27,7 +35,7 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
   const int64_t live_rows = std::clamp<int64_t>(bounds.q_len - t0, 0, rows);
   if (keys.lo >= keys.hi || live_rows == 0) {
     store_zero_rows(rows, H, o, p.o.row_stride, p.o.col_stride);
-    for (int64_t i = 0; i < rows; ++i) lse[i * p.lse.row_stride] = kNegInf;
+    for (int64_t i = 0; i < rows; ++i) store_lse(p, lse, i, kEmptyRow);
     return;
   }
 
@@ -44,10 +52,10 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 
   // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
   load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), Hp);
-  // P is 2^-p_shift times the probability (exactly: a power of two), so that the unnormalised
-  // sum of P.V stays below max|v| rather than reaching seqlen_k * max|v|, which overflows
-  // float32 for values near its maximum; row_sum carries the factor and lse takes it out.
-  const float p_shift = std::ceil(std::log2(static_cast<float>(std::max<int64_t>(p.seqlen_k, 1))));
+  // P is 2^-p_shift times the probability (params.h, probability_shift). Each row's exp2
+  // offset is the float row_max + p_shift, formed the same way wherever it is used, so the
+  // rescaling between tiles and the lse refer to exactly the offsets the P were taken at.
+  const float p_shift = probability_shift(p.seqlen_k);
 
   for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, keys.hi - s0);
@@ -73,8 +81,9 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
         std::fill(s, s + cols, 0.f);
         continue;
       }
-      const float correction = std::exp2(row_max[i] - new_max);  // 0 when row_max was -inf
-      exp2_shifted(s, cols, new_max + p_shift);
+      const float offset = new_max + p_shift;
+      const float correction = std::exp2((row_max[i] + p_shift) - offset);  // 0 when row_max was -inf
+      exp2_shifted(s, cols, offset);
       float sum = 0.f;
       for (int64_t j = 0; j < cols; ++j) sum += s[j];
       row_sum[i] = row_sum[i] * correction + sum;
@@ -91,7 +100,7 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
     const bool empty = i >= live_rows || row_sum[i] == 0.f;
     const float inv = empty ? 0.f : (dropout ? p.keep_scale : 1.f) / row_sum[i];
     store_tile(acc.data() + i * Hp, Hp, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
-    lse[i * p.lse.row_stride] = empty ? kNegInf : (row_max[i] + p_shift + std::log2(row_sum[i])) * kLn2;
+    store_lse(p, lse, i, empty ? kEmptyRow : split_lse(row_max[i] + p_shift, std::log2(row_sum[i])));
   }
 }
 

@@ -1,6 +1,6 @@
 // The backward pass: validation, the workspace, and four launches on one stream
 //   memset   : ticket counter, dQ semaphores, dQ accumulator <- 0
-//   pre-pass : per row, lse2 = lse log2 e and delta (+inf / 0 for rows that get
+//   pre-pass : per row, the lse's hi and lo (base 2 already) and delta (+inf, 0 / 0 for rows that get
 //              no gradient); delta is the operand XLA computed as
 //              rowsum(dO o O) - dlse from the float32 output
 //   main     : dK, dV, and dQ accumulated in fp32 in a fixed order (bwd_kernel.h);
@@ -47,17 +47,19 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_prepass(const __grid_
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
   if (row >= p.num_instances() * rt.t_pad) return;
   const int64_t linear = row / rt.t_pad, t = row - linear * rt.t_pad;
-  float lse2 = INFINITY, delta = 0.f;  // P = exp2(s - inf) = 0: no gradient from this row
+  float lse2 = INFINITY, lse2_lo = 0.f, delta = 0.f;  // P = exp2(s - inf) = 0: no gradient from this row
   if (t < p.seqlen_q && t < instance_bounds(p, linear).q_len) {
     const InstanceIndex inst(p, linear);
-    const float lse = inst.origin<const float>(p, p.lse)[t * p.lse.row_stride];
-    if (lse != -INFINITY) {  // -inf: the row saw no key; its P are all 0
+    const float* lse = inst.origin<const float>(p, p.lse) + t * p.lse.row_stride;
+    if (lse[0] != -INFINITY) {  // -inf: the row saw no key; its P are all 0 (and lo is not read)
       delta = inst.origin<const float>(p, p.delta)[t * p.delta.row_stride];
-      lse2 = lse * kLog2e;
+      lse2 = lse[0];
+      lse2_lo = lse[p.lse.col_stride];
     }
   }
   if (lane == 0) {
     rt.lse2[row] = lse2;
+    rt.lse2_lo[row] = lse2_lo;
     rt.delta[row] = delta;
   }
 }
@@ -211,6 +213,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.sems = reinterpret_cast<int*>(base + w.sems_off);
   rt.dq_acc = reinterpret_cast<float*>(base + w.dq_acc_off);
   rt.lse2 = reinterpret_cast<float*>(base + w.lse2_off);
+  rt.lse2_lo = reinterpret_cast<float*>(base + w.lse2_lo_off);
   rt.delta = reinterpret_cast<float*>(base + w.delta_off);
   rt.q_tiles = w.q_tiles;
   rt.t_pad = w.t_pad;

@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int64_t linear = compose_instance(p, rt.dbias_reduce_mask, kept, r);
       const InstanceBounds b = instance_bounds(p, linear);
       const InstanceIndex inst(p, linear);
-      ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.delta + linear * rt.t_pad, nullptr};
+      ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.lse2_lo + linear * rt.t_pad,
+                     rt.delta + linear * rt.t_pad, nullptr};
       in.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))
                             : static_cast<const void*>(inst.origin<const T>(p, p.bias));
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);

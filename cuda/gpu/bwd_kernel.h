@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const InstanceIndex inst(p, linear);
     const T* q = inst.origin<const T>(p, p.q);
     const T* d_o = inst.origin<const T>(p, p.d_o);
-    ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.delta + linear * rt.t_pad, nullptr};
+    ScoreInputs in{nullptr, nullptr, rt.lse2 + linear * rt.t_pad, rt.lse2_lo + linear * rt.t_pad,
+                   rt.delta + linear * rt.t_pad, nullptr};
     if constexpr (Cfg::kGeneral) {
       if (p.has(kHasBias))
         in.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))

@@ -75,12 +75,13 @@ struct BwdConfig {
 //   sems    : int [I][nQ][W]  per (instance, Q tile, dQ warp): dQ contributions so far (zeroed)
 //   dq_acc  : f32 [I][T_pad][D_pad]  the dQ accumulator (zeroed), unscaled; each
 //             Q tile's block_m x D_pad floats in the order of BwdDqGrid
-//   lse2    : f32 [I][T_pad]  lse * log2 e, +inf for rows that get no gradient
+//   lse2    : f32 [I][T_pad]  the lse's hi (base 2, params.h), +inf for rows that get no gradient
+//   lse2_lo : f32 [I][T_pad]  the lse's lo, 0 for those rows
 //   delta   : f32 [I][T_pad]  rowsum(dO o O) - dlse, 0 for those rows
 // counter, sems and dq_acc are contiguous: one memset clears them.
 struct BwdWorkspaceLayout {
   int64_t block_m, q_tiles, t_pad, d_pad;
-  int64_t sems_off, dq_acc_off, lse2_off, delta_off, zero_bytes, total_bytes;
+  int64_t sems_off, dq_acc_off, lse2_off, lse2_lo_off, delta_off, zero_bytes, total_bytes;
 
   static constexpr int64_t align(int64_t x) { return (x + 255) / 256 * 256; }
 
@@ -94,7 +95,8 @@ struct BwdWorkspaceLayout {
     w.dq_acc_off = w.sems_off + align(instances * w.q_tiles * bwd_dq_grid(elem_bytes, static_cast<int>(w.d_pad)).warps * 4);
     w.lse2_off = w.dq_acc_off + align(instances * w.t_pad * w.d_pad * 4);
     w.zero_bytes = w.lse2_off;
-    w.delta_off = w.lse2_off + align(instances * w.t_pad * 4);
+    w.lse2_lo_off = w.lse2_off + align(instances * w.t_pad * 4);
+    w.delta_off = w.lse2_lo_off + align(instances * w.t_pad * 4);
     w.total_bytes = w.delta_off + align(instances * w.t_pad * 4) + 256;
     return w;
   }
@@ -114,6 +116,7 @@ struct BwdRuntime {
   int* sems;
   float* dq_acc;
   float* lse2;
+  float* lse2_lo;
   float* delta;
   int64_t q_tiles, t_pad, d_pad;
   BwdDqGrid dq;   // the accumulator's layout (the post-pass reads it)

@@ -1,6 +1,11 @@
 // P and dS of one (Q tile, K tile) pair, for one warp's block of the S grid:
-//   S  = Q K^T (raw),  s2 = S * scale * log2 e + bias * log2 e - lse * log2 e
+//   S  = Q K^T (raw),  s2 = (S * scale * log2 e + bias * log2 e - lse2) - lse2_lo
 //   P  = exp2(s2)  (0 where masked, and for rows with no gradient: lse2 = +inf)
+// lse2 + lse2_lo is the forward's base-2 lse, exactly (params.h): subtracting the
+// large part first keeps s2 exact where P is large, whatever the logits' size.
+// float32 only: in 16 bits P and dS are rounded to the input dtype before every
+// product, and lo (at most half an ulp of lse2) moves P by less than that below
+// logits of ~1e4, so the 16-bit kernels leave it out (it cost them 1-4%, H100).
 //   dP = dO V^T,       dS = P o (dP - delta)
 // With dropout (keep mask Z, kept entries scaled by c = 1 / (1 - rate)) the
 // forward's output used c P o Z: P becomes P o Z (dV's operand; c is applied
@@ -27,6 +32,7 @@ struct ScoreInputs {
   const void* bias;     // T or float (BwdRuntime::bias_f32); null when absent
   const uint8_t* mask;  // null when absent
   const float* lse2;    // workspace rows of this instance
+  const float* lse2_lo;
   const float* delta;
   const uint32_t* seed;  // the dropout's seed words; null without dropout
 };
@@ -58,13 +64,15 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   constexpr int MF = Cfg::kSMF, NF = Cfg::kSNF, D = Cfg::kHeadDim;
 
   // Row statistics first: their loads fly during the GEMM.
-  float lse2[MF][2], delta[MF][2];
+  constexpr bool kSubtractLo = sizeof(T) == 4;
+  float lse2[MF][2], lse2_lo[MF][2] = {}, delta[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t t = m0 + row0 + frag_row(mf, 2 * h, lane);
       lse2[mf][h] = __ldg(in.lse2 + t);
+      if constexpr (kSubtractLo) lse2_lo[mf][h] = __ldg(in.lse2_lo + t);
       delta[mf][h] = __ldg(in.delta + t);
     }
 
@@ -97,6 +105,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
       for (int i = 0; i < 4; ++i) {
         float& x = pr[mf][nf][i];
         x = biased ? x - lse2[mf][i >> 1] : fmaf(x, rt.score_mul, -lse2[mf][i >> 1]);
+        if constexpr (kSubtractLo) x -= lse2_lo[mf][i >> 1];
       }
   if (!full) bwd_mask_positions(pr, blk, lane);
   if constexpr (Cfg::kGeneral) {

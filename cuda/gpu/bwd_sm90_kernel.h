@@ -15,6 +15,11 @@
 //   S^T  = K_g Q^T,   dP^T = V_g dO^T          SS, K-major  (64 x BLOCK_M)
 //   P^T  = exp2(S^T scale log2e - lse2),  dS^T = P^T o (dP^T - delta)
 //          (with dropout, bwd_scores.h's algebra: P^T o Z^T, c Z^T o dP^T)
+//          lse2 is the lse's hi alone: its lo (params.h) is below what 16 bits
+//          resolve in P (bwd_scores.h), and where it would show (logits beyond
+//          ~6e3), this kernel's S^T, summed by wgmma in another order than the
+//          forward's mma.sync S, is off by more (test_numerics' large logits:
+//          fp16 on Hopper is a known failure). Subtracting lo cost 2-3.5% here.
 //   dV_g += P^T dO,   dK_g += dS^T Q           RS, B MN-major (64 x D)
 //   dS^T -> shared memory; barrier
 //   dQ  (its 16 x 64 blocks) = dS K            SS, both MN-major

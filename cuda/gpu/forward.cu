@@ -63,7 +63,7 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   // with the scaling only for scale > 0.
   rt.fold_scale = has_bias || !(p.scale > 0.f);
   rt.exp_scale = rt.fold_scale ? 1.f : rt.score_mul;
-  rt.p_shift = p.dtype == DType::kF16 ? 0.f : std::ceil(std::log2(static_cast<float>(std::max<int64_t>(p.seqlen_k, 1))));
+  rt.p_shift = p.dtype == DType::kF16 ? 0.f : probability_shift(p.seqlen_k);
   rt.out_scale = p.has(kDropout) ? p.keep_scale : 1.f;
   rt.bias_f32 = p.bias_dtype == DType::kF32;
   rt.q_vec = rows_aligned(p, p.q, elem_bytes);

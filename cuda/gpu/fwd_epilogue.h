@@ -56,23 +56,18 @@ __device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const
   const int row0 = m0 + warp_row;
 
   bool live[Cfg::kMF][2];
-  float lse[Cfg::kMF][2];
 #pragma unroll
   for (int mf = 0; mf < Cfg::kMF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) live[mf][h] = row0 + frag_row(mf, 2 * h, lane) < pos.q_len;
-  softmax_finalize(o, st, rt.exp_scale, rt.p_shift, rt.out_scale, live, lse);
-
-  if (lse_origin != nullptr && (lane & 3) == 0) {  // one lane of each quad owns the row
-    float* out = lse_origin;
-#pragma unroll
-    for (int mf = 0; mf < Cfg::kMF; ++mf)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int t = row0 + frag_row(mf, 2 * h, lane);
-        if (t < p.seqlen_q) out[t * p.lse.row_stride] = lse[mf][h];
-      }
-  }
+  softmax_finalize(o, st, rt.out_scale, live, [&](int mf, int h, LseSplit lse) {
+    const int t = row0 + frag_row(mf, 2 * h, lane);
+    // One lane of each quad owns the row.
+    if (lse_origin != nullptr && (lane & 3) == 0 && t < p.seqlen_q) {
+      lse_origin[t * p.lse.row_stride] = lse.hi;
+      lse_origin[t * p.lse.row_stride + p.lse.col_stride] = lse.lo;
+    }
+  });
 
   if (p.has(kOutputF32)) {
     store_o_f32<Cfg>(p, rt, static_cast<float*>(o_origin) + row0 * p.o.row_stride, row0, o, lane);

@@ -63,12 +63,9 @@ struct FwdRuntime {
   // the exp2). Otherwise the scores are first rewritten as
   // s * score_mul + bias * log2 e (score_mul = scale * log2 e) and exp_scale = 1.
   float exp_scale;
-  // P is computed as 2^-p_shift of the probability (folded into the exp2's
-  // offset, so free): the unnormalised sum of P.V then stays below max|v| where
-  // it could otherwise reach seqlen_k * max|v| and overflow the float32
-  // accumulator (bf16 / f32 values near 3e38). p_shift = ceil(log2(seqlen_k))
-  // for bf16 and f32; 0 for fp16, whose max (65504) cannot overflow float32
-  // that way and whose P would lose precision to subnormals.
+  // P is computed as 2^-p_shift of the probability (params.h, probability_shift),
+  // folded into the exp2's offset; 0 for fp16, whose max (65504) cannot overflow
+  // float32 that way and whose P would lose precision to subnormals.
   float p_shift;
   float score_mul;
   bool fold_scale;

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "ptx.h"
+#include "../../params.h"
 
 namespace jaxflash::gpu {
 
@@ -13,14 +14,19 @@ namespace jaxflash::gpu {
 // fragment; see mma.h).
 template <int MF>
 struct SoftmaxState {
-  float max[MF][2];  // running max of the scores, in score units; -inf until a visible key
+  // The row's exp2 offset: fmaf(running max of the scores, exp_scale, p_shift), in base-2
+  // units; -inf until a visible key. Kept as the offset itself, not the max, so that the
+  // rescaling between tiles and the lse refer to exactly the floats the P were taken at (at
+  // scores of 1e4 one rounding there is ~1e-3). fmaf rounds monotonically and exp_scale > 0,
+  // so the offset of the max is the max of the offsets.
+  float offset[MF][2];
   float sum[MF][2];  // this lane's columns only: the quad is summed once, at the end
 
   __device__ __forceinline__ void init() {
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) max[mf][h] = -INFINITY, sum[mf][h] = 0.f;
+      for (int h = 0; h < 2; ++h) offset[mf][h] = -INFINITY, sum[mf][h] = 0.f;
   }
 };
 
@@ -34,13 +40,8 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Base-2 offset to subtract from scaled scores of a row whose max is `m`. A row
-// with no visible key so far has m = -inf; subtracting 0 instead keeps every
-// exp2 at exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
-__device__ __forceinline__ float exp_offset(float m, float exp_scale) { return m == -INFINITY ? 0.f : m * exp_scale; }
-
 // Folds one tile of scores into the state: s becomes P = exp2(s * exp_scale -
-// max - p_shift), and O and the sums are rescaled to the new max. exp_scale > 0
+// offset), and O and the sums are rescaled to the new offset. exp_scale > 0
 // (the launcher guarantees it), so the max of s is the max of the scaled
 // scores. P carries the factor 2^-p_shift (FwdRuntime: it keeps the sum of P.V
 // finite); the sums carry it too, and softmax_finalize takes it out of lse.
@@ -51,15 +52,16 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float m = st.max[mf][h];
+      float m = -INFINITY;
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf) m = fmaxf(m, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
       m = quad_max(m);
-      const float offset = exp_offset(m, exp_scale);
-      // Old max -inf (nothing seen yet): exp2(-inf) = 0, and O and sum are 0 anyway.
-      const float alpha = fast_exp2(st.max[mf][h] * exp_scale - offset);
-      const float p_offset = offset + p_shift;
-      st.max[mf][h] = m;
+      const float offset = fmaxf(st.offset[mf][h], fmaf(m, exp_scale, p_shift));
+      // Still no visible key: subtract 0 (exp2(-inf - 0) = 0, not exp2(-inf + inf) = NaN).
+      const float p_offset = offset == -INFINITY ? 0.f : offset;
+      // Old offset -inf (nothing seen yet): exp2(-inf) = 0, and O and sum are 0 anyway.
+      const float alpha = fast_exp2(st.offset[mf][h] - p_offset);
+      st.offset[mf][h] = offset;
       float sum = 0.f;
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf) {
@@ -77,18 +79,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
   }
 }
 
-// After the last tile: O *= out_scale / sum, and lse (natural log) per row.
+// After the last tile: O *= out_scale / sum, and per row the lse in base 2 as
+// params.h's two floats: the row's offset plus log2(sum), split without rounding.
 // Rows that saw no visible key (sum == 0) or are not `live` (query padding)
-// get O = 0 and lse = -inf. A NaN score (NaN in q, k or bias) makes the sum NaN
+// get O = 0 and lse = (-inf, 0). A NaN score (NaN in q, k or bias) makes the sum NaN
 // and so O and lse NaN, as in jax.nn: fmaxf drops NaN from the max, so the sum
 // is the only place it surfaces, and "sum > 0" would take it for an empty row.
-// out_scale is 1, or dropout's 1 / (1 - rate).
-template <int MF, int DF>
+// out_scale is 1, or dropout's 1 / (1 - rate). store_lse(mf, h, lse) takes each row's
+// lse as it is formed.
+template <int MF, int DF, class StoreLse>
 __device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const SoftmaxState<MF>& st,
-                                                 float exp_scale, float p_shift, float out_scale,
-                                                 const bool (&live)[MF][2],
-                                                 float (&lse)[MF][2]) {
-  constexpr float kLn2 = 0.6931471805599453f;
+                                                 float out_scale, const bool (&live)[MF][2],
+                                                 StoreLse&& store_lse) {
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
@@ -96,7 +98,8 @@ __device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const So
       const float sum = quad_sum(st.sum[mf][h]);
       const bool any = live[mf][h] && !(sum == 0.f);
       const float inv = any ? out_scale / sum : 0.f;
-      lse[mf][h] = any ? (exp_offset(st.max[mf][h], exp_scale) + p_shift) * kLn2 + logf(sum) : -INFINITY;
+      store_lse(mf, h, any ? split_lse(st.offset[mf][h], log2f(sum))
+                           : LseSplit{-INFINITY, 0.f});
 #pragma unroll
       for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= inv, o[mf][df][2 * h + 1] *= inv;
     }

@@ -76,7 +76,7 @@ struct Problem {
   AttentionParams p;
   HostArray q, k, v, o, d_o;
   std::vector<double> o_exact;               // the output before rounding
-  std::vector<float> lse, dlse, delta_in;    // delta_in: rowsum(dO o O_exact) - dlse, BNT
+  std::vector<float> lse, dlse, delta_in;    // delta_in: rowsum(dO o O_exact) - dlse, BNT; lse BNT x (hi, lo)
   HostArray bias;
   std::vector<uint8_t> mask;
   std::vector<int32_t> q_lens, kv_lens;
@@ -179,7 +179,7 @@ struct Problem {
 
     // Forward reference: o (rounded to dtype, stored with the padding sentinel
     // 0 in pad columns) and lse.
-    lse.assign(size_t(B) * N * T, 0.f);
+    lse.assign(size_t(B) * N * T * 2, 0.f);  // hi, lo per row (params.h)
     dlse.assign(size_t(B) * N * T, 0.f);
     std::uniform_real_distribution<float> unif(-1.f, 1.f);
     if (c.dlse)
@@ -193,7 +193,10 @@ struct Problem {
         for (int t = 0; t < T; ++t) {
           double lse_r;
           probabilities(b, n, t, prob, lse_r);
-          lse[row_index(b, n, t)] = static_cast<float>(lse_r);
+          const double lse2 = lse_r / std::log(2.0);  // the kernel's base 2, as hi + lo
+          const float hi = static_cast<float>(lse2);
+          lse[2 * row_index(b, n, t)] = hi;
+          lse[2 * row_index(b, n, t) + 1] = std::isinf(hi) ? 0.f : static_cast<float>(lse2 - hi);
           for (int h = 0; h < H; ++h) {
             double acc = 0;
             for (int s = 0; s < S; ++s)
@@ -247,7 +250,7 @@ struct Problem {
     };
     q_like(p.q, d_q->ptr), q_like(p.d_o, d_do->ptr);
     k_like(p.k, d_k->ptr), k_like(p.v, d_v->ptr);
-    set_view(p.lse, d_lse->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
+    set_view(p.lse, d_lse->ptr, int64_t(N) * T * 2, int64_t(G) * T * 2, int64_t(T) * 2, 2, 1);
     d_delta = std::make_unique<DeviceBuffer>(delta_in.data(), delta_in.size() * 4);
     set_view(p.delta, d_delta->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
     auto bias_view = [&](ArrayView& view, void* data) {
@@ -454,7 +457,7 @@ void bench(const BenchFilter& only) {
         const int B = 16384 / L, N = 2048 / H;
         const size_t n = size_t(B) * L * N * H;
         DeviceBuffer q(2 * n), k(2 * n), v(2 * n), d_o(2 * n), dq(2 * n), dk(2 * n), dv(2 * n);
-        DeviceBuffer lse(4 * size_t(B) * N * L), delta(4 * size_t(B) * N * L);
+        DeviceBuffer lse(2 * 4 * size_t(B) * N * L), delta(4 * size_t(B) * N * L);
         CHECK_CUDA(cudaMemset(delta.ptr, 0, 4 * size_t(B) * N * L));
         std::vector<__nv_bfloat16> host(n);
         std::mt19937 rng(1);
@@ -462,7 +465,8 @@ void bench(const BenchFilter& only) {
         for (auto& x : host) x = __float2bfloat16_rn(uni(rng));
         for (void* dst : {q.ptr, k.ptr, v.ptr, d_o.ptr})
           CHECK_CUDA(cudaMemcpy(dst, host.data(), 2 * n, cudaMemcpyHostToDevice));
-        std::vector<float> lse_host(size_t(B) * N * L, std::log(float(L)));
+        std::vector<float> lse_host(2 * size_t(B) * N * L, 0.f);  // (hi, lo) = (log2 L, 0)
+        for (size_t i = 0; i < lse_host.size(); i += 2) lse_host[i] = std::log2(float(L));
         CHECK_CUDA(cudaMemcpy(lse.ptr, lse_host.data(), lse_host.size() * 4, cudaMemcpyHostToDevice));
         AttentionParams p;
         p.dtype = DType::kBF16;
@@ -477,7 +481,7 @@ void bench(const BenchFilter& only) {
         }
         p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.d_o.data = d_o.ptr;
         p.dq.data = dq.ptr, p.dk.data = dk.ptr, p.dv.data = dv.ptr;
-        set_view(p.lse, lse.ptr, int64_t(N) * L, L, 0, 1, 0);
+        set_view(p.lse, lse.ptr, int64_t(N) * L * 2, int64_t(L) * 2, 0, 2, 1);
         set_view(p.delta, delta.ptr, int64_t(N) * L, L, 0, 1, 0);
         DeviceBuffer ws(jaxflash::gpu::backward_workspace_bytes(p.num_instances(), L, L, H, p.dtype));
         cudaEvent_t start, stop;

@@ -86,12 +86,13 @@ bool run_case(const Case& c, std::mt19937& rng) {
   };
   auto kv_index = [&](int b, int kh, int s, int h) -> size_t { return ((size_t(b) * S + s) * K + kh) * H + h; };
 
-  // Output o with pitch Hp per head (BTNH or BNTH), pre-filled with a NaN sentinel; lse BNT.
+  // Output o with pitch Hp per head (BTNH or BNTH), pre-filled with a NaN sentinel; lse BNT
+  // with its two floats (hi, lo: params.h) innermost.
   const DType out_t = c.out_f32 ? DType::kF32 : c.dtype;
   if (c.out_f32) p.flags |= jaxflash::kOutputF32;
   const size_t o_elems = size_t(B) * T * N * Hp;
   std::vector<uint8_t> o_bits(o_elems * elem_bytes(out_t), 0xFF);
-  DeviceBuffer d_o(o_bits.size()), d_lse(size_t(B) * N * T * 4);
+  DeviceBuffer d_o(o_bits.size()), d_lse(size_t(B) * N * T * 2 * 4);
   CHECK_CUDA(cudaMemcpy(d_o.ptr, o_bits.data(), o_bits.size(), cudaMemcpyHostToDevice));
   if (c.layout == Layout::kBTNH)
     set_view(p.o, d_o.ptr, int64_t(T) * N * Hp, int64_t(G) * Hp, Hp, int64_t(N) * Hp, 1);
@@ -101,7 +102,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
     return c.layout == Layout::kBTNH ? ((size_t(b) * T + t) * N + n) * Hp + h
                                      : ((size_t(b) * N + n) * T + t) * Hp + h;
   };
-  set_view(p.lse, d_lse.ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
+  set_view(p.lse, d_lse.ptr, int64_t(N) * T * 2, int64_t(G) * T * 2, int64_t(T) * 2, 2, 1);
 
   // Bias.
   std::vector<double> bias_val;
@@ -174,7 +175,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
   CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(cudaMemcpy(o_bits.data(), d_o.ptr, o_bits.size(), cudaMemcpyDeviceToHost));
-  std::vector<float> lse(size_t(B) * N * T);
+  std::vector<float> lse(size_t(B) * N * T * 2);
   CHECK_CUDA(cudaMemcpy(lse.data(), d_lse.ptr, lse.size() * 4, cudaMemcpyDeviceToHost));
   HostArray o(out_t, o_elems);
   o.bits = o_bits;
@@ -203,8 +204,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
           }
           double sum = 0;
           for (int s = 0; s < S; ++s) sum += prob[s] = mx == -INFINITY ? 0.0 : std::exp(logit[s] - mx);
-          const double ref_lse = sum > 0 ? mx + std::log(sum) : -INFINITY;
-          const float got_lse = lse[(size_t(b) * N + n) * T + t];
+          const double ref_lse = sum > 0 ? (mx + std::log(sum)) / std::log(2.0) : -INFINITY;  // base 2
+          const size_t row = (size_t(b) * N + n) * T + t;
+          const double got_lse = double(lse[2 * row]) + (std::isinf(lse[2 * row]) ? 0.0 : double(lse[2 * row + 1]));
           if (std::isinf(ref_lse) || std::isinf(got_lse) || std::isnan(got_lse)) {
             bad_special += !(std::isinf(got_lse) && got_lse < 0 && std::isinf(ref_lse));
           } else {
@@ -252,7 +254,7 @@ void bench() {
       for (int L : {1024, 4096, 16384}) {
         const int B = 16384 / L, N = 2048 / H;
         const size_t n = size_t(B) * L * N * H;
-        DeviceBuffer q(2 * n), k(2 * n), v(2 * n), o(2 * n), lse(4 * size_t(B) * N * L);
+        DeviceBuffer q(2 * n), k(2 * n), v(2 * n), o(2 * n), lse(2 * 4 * size_t(B) * N * L);
         std::vector<__nv_bfloat16> host(n);
         std::mt19937 rng(1);
         std::uniform_real_distribution<float> uni(-1.f, 1.f);
@@ -270,7 +272,7 @@ void bench() {
           view->row_stride = int64_t(N) * H, view->col_stride = 1;
         }
         p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.o.data = o.ptr;
-        set_view(p.lse, lse.ptr, int64_t(N) * L, L, 0, 1, 0);
+        set_view(p.lse, lse.ptr, int64_t(N) * L * 2, int64_t(L) * 2, 0, 2, 1);
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));
         CHECK_CUDA(cudaEventCreate(&stop));
