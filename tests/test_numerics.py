@@ -1,6 +1,7 @@
 """Hostile numerics, on every backend and kernel variant: NaN in any operand shows up in exactly
-the outputs and gradients where jax.nn has NaN, and values near the dtype's maximum do not
-overflow where jax.nn's result is finite.
+the outputs and gradients where jax.nn has NaN, values near the dtype's maximum do not overflow
+where jax.nn's result is finite, logits of ~1e4 keep the gradients accurate, and
+precision="highest" is float32-accurate (the last two against a float64 reference).
 
 Kernel variants: on CUDA, head dims 64 and 128 without a bias take the fast forward (and, in
 16 bits on Hopper, the sm_90 backward); a bias or head dim 59 takes the general kernels; float32
@@ -170,3 +171,42 @@ def test_large_logits_keep_the_gradients_accurate(dtype, variant, is_causal, bac
     reference.assert_close(o, r, b, compute, what)
   for name in ours_grads:
     reference.assert_close(ours_grads[name], ref_grads[name], base_grads[name], compute, name)
+
+
+# precision="highest" on N(0,1) inputs: (T, S, with a bias, causal).
+HIGHEST_CASES = {"self": (128, 128, False, False), "causal": (203, 203, False, True),
+                 "bias": (113, 203, True, False), "cross": (37, 1023, False, False)}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", list(HIGHEST_CASES))
+def test_highest_precision_is_float32_accurate(case, head_dim, backend, device):
+  """precision="highest" promises float32-accurate products (3xTF32 on CUDA): against float64,
+  every output and gradient is within twice the error of XLA's float32 dot (the CPU's, exact)
+  plus 1e-5 absolute, which is what an attention library's own float32 tests ask for."""
+  T, S, with_bias, is_causal = HIGHEST_CASES[case]
+
+  def make():
+    keys = jax.random.split(jax.random.key(5), 6)
+    inputs = dict.fromkeys(reference.NON_DIFFERENTIABLE)
+    inputs.update(query=jax.random.normal(keys[0], (B, T, N, head_dim)),
+                  key=jax.random.normal(keys[1], (B, S, N, head_dim)),
+                  value=jax.random.normal(keys[2], (B, S, N, head_dim)),
+                  bias=jax.random.normal(keys[3], (B, N, T, S)) if with_bias else None)
+    cotangent = (jax.random.normal(keys[4], (B, T, N, head_dim)),
+                 jax.random.normal(keys[5], (B, T, N)))
+    return inputs, cotangent
+
+  inputs, cotangent = reference.made_on_cpu(device, make)
+  static = dict(is_causal=is_causal, precision="highest", return_residual=True)
+  ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+  _, (base, base_grads) = reference.reference_and_baseline(inputs, cotangent, backend=backend,
+                                                           **static)
+  ref, ref_grads = reference.float64_forward_and_grads(inputs, cotangent, is_causal=is_causal)
+  results = [("out", ours[0], ref[0], base[0]), ("lse", ours[1], ref[1], base[1])]
+  results += [(name, ours_grads[name], ref_grads[name], base_grads[name]) for name in ours_grads]
+  for what, o, r, b in results:
+    err = np.max(np.abs(np.asarray(o, np.float64) - r))
+    base_err = np.max(np.abs(np.asarray(b, np.float64) - r))
+    assert err <= 2 * base_err + 1e-5, (
+        f"{what}: max|ours - float64| = {err:.3g} > 2 * {base_err:.3g} (XLA float32) + 1e-5")
