@@ -41,7 +41,7 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 
   std::vector<float> q_tile(kBlockQ * Hp), kt_tile(H * kBlockK), v_tile(kBlockK * Hp);
   std::vector<float> s_tile(kBlockQ * kBlockK), acc(kBlockQ * Hp, 0.f);
-  std::vector<float> row_max(kBlockQ, kNegInf), row_sum(kBlockQ, 0.f);
+  std::vector<float> row_offset(kBlockQ, kNegInf), row_sum(kBlockQ, 0.f);
 
   const T* q = element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride);
   const T* k = element<T>(p.k, instance_offset(p, p.k, inst));
@@ -52,9 +52,10 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 
   // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
   load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), Hp);
-  // P is 2^-p_shift times the probability (params.h, probability_shift). Each row's exp2
-  // offset is the float row_max + p_shift, formed the same way wherever it is used, so the
-  // rescaling between tiles and the lse refer to exactly the offsets the P were taken at.
+  // P is 2^-p_shift times the probability (params.h, probability_shift). Each row keeps its
+  // exp2 offset, running max + p_shift, as the float itself, so that the rescaling between
+  // tiles and the lse refer to exactly the offsets the P were taken at (float addition is
+  // monotonic: the max of the offsets is the offset of the max).
   const float p_shift = probability_shift(p.seqlen_k);
 
   for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
@@ -71,8 +72,8 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
       float* s = s_tile.data() + i * kBlockK;
       float tile_max = kNegInf;
       for (int64_t j = 0; j < cols; ++j) tile_max = std::max(tile_max, s[j]);
-      const float new_max = std::max(row_max[i], tile_max);
-      if (new_max == kNegInf) {  // nothing visible yet: keep P = 0, avoid (-inf) - (-inf)
+      const float offset = std::max(row_offset[i], tile_max + p_shift);
+      if (offset == kNegInf) {  // nothing visible yet: keep P = 0, avoid (-inf) - (-inf)
         // std::max skips NaN, so a row whose every score is NaN (NaN in q, or in k or bias
         // where nothing else is visible) lands here too: it must end NaN, as in jax.nn, not
         // look like a row with no visible key.
@@ -81,13 +82,12 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
         std::fill(s, s + cols, 0.f);
         continue;
       }
-      const float offset = new_max + p_shift;
-      const float correction = std::exp2((row_max[i] + p_shift) - offset);  // 0 when row_max was -inf
+      const float correction = std::exp2(row_offset[i] - offset);  // 0 when it was -inf
       exp2_shifted(s, cols, offset);
       float sum = 0.f;
       for (int64_t j = 0; j < cols; ++j) sum += s[j];
       row_sum[i] = row_sum[i] * correction + sum;
-      row_max[i] = new_max;
+      row_offset[i] = offset;
       // Dropout after the sum: the normaliser (and lse) are the undropped softmax's.
       if (dropout) drop_row(dropout_in, t0 + i, s0, cols, s);
       float* a = acc.data() + i * Hp;
@@ -100,7 +100,7 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
     const bool empty = i >= live_rows || row_sum[i] == 0.f;
     const float inv = empty ? 0.f : (dropout ? p.keep_scale : 1.f) / row_sum[i];
     store_tile(acc.data() + i * Hp, Hp, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
-    store_lse(p, lse, i, empty ? kEmptyRow : split_lse(row_max[i] + p_shift, std::log2(row_sum[i])));
+    store_lse(p, lse, i, empty ? kEmptyRow : split_lse(row_offset[i], std::log2(row_sum[i])));
   }
 }
 

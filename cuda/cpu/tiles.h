@@ -100,7 +100,7 @@ inline int64_t round_up_vec(int64_t n) { return (n + kVec - 1) / kVec * kVec; }
 // chunk's sum then added to C: a float32 sum of k terms in one running
 // accumulator has a rounding error growing like k, in chunks like
 // k / kSumChunk + kSumChunk. At logits of 1e4 that halves the logits' error,
-// to what XLA's dot has, at ~10% of this product's time.
+// to what XLA's dot has; python -m jaxflash.bench saw no cost (median 0.993x).
 constexpr int64_t kSumChunk = 16;
 
 template <int MR>
