@@ -67,11 +67,13 @@ target_compile_definitions(_native PRIVATE JAXFLASH_WITH_CUDA JAXFLASH_CUDA_ARCH
 target_link_libraries(_native PRIVATE jaxflash_cuda)
 
 # The native self-tests: each direction's kernels against float64 CPU references, without
-# JAX (scripts/gpu_check.sh runs them). bwd_mma_selftest builds the backward without the
-# sm_90 kernel, so the mma.sync backward that pre-Hopper GPUs run is verified on Hopper too.
+# JAX (scripts/gpu_check.sh runs them). fwd_mma_selftest and bwd_mma_selftest build each
+# direction without its sm_90 kernel, so the mma.sync kernels that pre-Hopper GPUs run are
+# verified on Hopper too.
 if(JAXFLASH_BUILD_SELFTESTS)
+  jaxflash_cuda_kernels(jaxflash_cuda_forward_mma forward JAXFLASH_FWD_NO_SM90)
   jaxflash_cuda_kernels(jaxflash_cuda_backward_mma backward JAXFLASH_BWD_NO_SM90)
-  foreach(selftest fwd:forward bwd:backward bwd_mma:backward_mma)
+  foreach(selftest fwd:forward fwd_mma:forward_mma bwd:backward bwd_mma:backward_mma)
     string(REPLACE ":" ";" selftest "${selftest}")
     list(GET selftest 0 name)
     list(GET selftest 1 kernels)

@@ -62,15 +62,15 @@ print('backends', jaxflash.backends(), 'built for', k._native.cuda_architectures
       'extension %.1f MB' % (os.path.getsize(k._native.__file__) / 2**20))") | tee -a "$OUT/device.txt"
 
 # Native self-tests of the CUDA kernels against fp64 CPU references (cmake/cuda.cmake's
-# JAXFLASH_BUILD_SELFTESTS), in the extension's build tree: only bwd_mma_selftest's kernels
+# JAXFLASH_BUILD_SELFTESTS), in the extension's build tree: only the *_mma_selftest kernels
 # are new objects.
 if want tests; then
   step selftest_build selftest_build.log 300 bash -c "cmake -S . -B $BUILD_DIR -DJAXFLASH_BUILD_SELFTESTS=ON && \
-    cmake --build $BUILD_DIR -j 16 --target fwd_selftest bwd_selftest bwd_mma_selftest"
-  # On a Hopper GPU the backward's 16-bit D = 64 / 128 cases run the sm_90 kernel;
-  # bwd_mma_selftest builds without it, so the mma.sync kernels that other GPUs run
-  # stay verified here too.
-  for name in fwd_selftest bwd_selftest bwd_mma_selftest; do
+    cmake --build $BUILD_DIR -j 16 --target fwd_selftest fwd_mma_selftest bwd_selftest bwd_mma_selftest"
+  # On a Hopper GPU the 16-bit D = 64 / 128 cases run the sm_90 kernels; the *_mma
+  # self-tests build without them, so the mma.sync kernels that other GPUs run stay
+  # verified here too.
+  for name in fwd_selftest fwd_mma_selftest bwd_selftest bwd_mma_selftest; do
     step "$name" "$name.log" 200 "$BUILD_DIR/$name"
   done
 fi

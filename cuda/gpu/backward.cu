@@ -13,12 +13,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include "arch.h"
 #include "bwd_kernel_traits.h"
 #include "instance.h"
 
@@ -92,38 +92,6 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid
                          (((warp * g.mf + mf) * g.nf + nf) * 4 + e) * 32 + ln];
     dq[d] = store_float<T>(live ? x * rt.scale : 0.f);
   }
-}
-
-// Whether `device` runs this build's sm_90a code: compute capability 9.0
-// and a build for it (JAXFLASH_CUDA_ARCHITECTURES has 90a; a plain 90 does
-// not compile, primitives/wgmma.h). A build without it runs sm_80 code, or
-// PTX compiled from it, on a Hopper GPU: the probe kernel's PTX version
-// says which. Cached per device. JAXFLASH_BWD_NO_SM90 (defined for every
-// translation unit) keeps the mma.sync kernels, to test them on a Hopper GPU.
-__global__ void sm90a_probe() {}
-
-cudaError_t runs_sm90a_code(int device, int major, int minor, bool* runs) {
-#ifdef JAXFLASH_BWD_NO_SM90
-  (void)device, (void)major, (void)minor;
-  *runs = false;
-  return cudaSuccess;
-#else
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
-  if (major != 9 || minor != 0) {
-    *runs = false;
-    return cudaSuccess;
-  }
-  if (device >= 0 && device < kMaxDevices && cache[device].load(std::memory_order_relaxed) != 0) {
-    *runs = cache[device].load(std::memory_order_relaxed) == 2;
-    return cudaSuccess;
-  }
-  cudaFuncAttributes attr;
-  if (const cudaError_t err = cudaFuncGetAttributes(&attr, sm90a_probe); err != cudaSuccess) return err;
-  *runs = attr.ptxVersion >= 90;
-  if (device >= 0 && device < kMaxDevices) cache[device].store(*runs ? 2 : 1, std::memory_order_relaxed);
-  return cudaSuccess;
-#endif
 }
 
 template <class T, F32Mma M>
@@ -221,10 +189,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // The kernels take the bulk-reduction path when built for sm_90+, which is
   // what runs on a device of compute capability 9+ (the build embeds sm_80 and
   // sm_90a code); it needs the staging buffer.
-  int device = 0, major = 0, minor = 0;
+  int device = 0, major = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err != cudaSuccess) return err;
 #ifdef JAXFLASH_BWD_NO_BULK
   rt.dq_bulk = false;
@@ -247,8 +214,13 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
     rt.general = true;
   // The sm_90 kernels where they cover the case (bwd_tile_size.h) and the
   // device runs this build's sm_90a code.
+  // JAXFLASH_BWD_NO_SM90 (defined for every translation unit) keeps the mma.sync kernels, to
+  // test them on a Hopper GPU.
   rt.sm90 = !sm90_excluded && bwd_sm90_covers(elem_bytes, d_pad) && bwd_sm90_smem_bytes(d_pad) + 1024 <= smem_limit;
-  if (rt.sm90 && (err = runs_sm90a_code(device, major, minor, &rt.sm90)) != cudaSuccess) return err;
+#ifdef JAXFLASH_BWD_NO_SM90
+  rt.sm90 = false;
+#endif
+  if (rt.sm90 && (err = runs_sm90a_code(device, &rt.sm90)) != cudaSuccess) return err;
   if (rt.sm90) rt.general = false;  // its tiles are the fast variant's (bwd_tile_size.h)
   rt.dq = rt.sm90 ? bwd_sm90_dq_grid(d_pad) : bwd_dq_grid(elem_bytes, d_pad);
   const BwdTiles tiles = bwd_tiles(elem_bytes, d_pad, rt.general);

@@ -6,6 +6,7 @@
 
 #include "fwd_epilogue.h"
 #include "fwd_mainloop.h"
+#include "fwd_schedule.h"
 #include "instance.h"
 #include "kernel_traits.h"
 #include "primitives/positions.h"
@@ -22,23 +23,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const typename Cfg::KTile sK{smem + Cfg::QTile::kBytes};
   const typename Cfg::VTile sV{smem + Cfg::QTile::kBytes + Cfg::KTile::kBytes};
 
-  // A flat 1-D grid (instances can exceed gridDim.y's 65535) in groups of
-  // rt.tile_group instances; inside a group the instance runs fastest and the
-  // query tiles go last-first. Under causal masking the last tile has the most
-  // keys: longest first, so the short tiles fill the tail of the group instead
-  // of a long one running on alone (with the instance slowest, a group of one,
-  // the last instances' long tiles started late: causal 16k ran ~15% below
-  // full). Groups keep the K/V that the CTAs in flight read within L2's reach
-  // (forward.cu sizes them).
-  const int64_t instances = p.num_instances();
-  const int num_m = static_cast<int>((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM);
-  const int64_t group_blocks = rt.tile_group * num_m;
-  const int64_t group = blockIdx.x / group_blocks;
-  const int64_t first = group * rt.tile_group, r = blockIdx.x - group * group_blocks;
-  const int64_t in_group = min(rt.tile_group, instances - first);
-  const int64_t linear = first + r % in_group;
-  const int m0 = (num_m - 1 - static_cast<int>(r / in_group)) * Cfg::kBlockM;
-
+  const FwdTile tile = forward_tile<Cfg::kBlockM>(p, rt, blockIdx.x);
+  const int64_t linear = tile.linear;
+  const int m0 = tile.m0;
   const InstanceBounds bounds = instance_bounds(p, linear);
   const KeyRange keys = visible_keys(p, bounds, m0, m0 + Cfg::kBlockM);
   const Positions pos(p, bounds);

@@ -10,6 +10,8 @@
 #include <cstdint>
 
 #include "fwd_kernel.h"
+#include "fwd_schedule.h"
+#include "fwd_sm90_kernel.h"
 #include "kernel_traits.h"
 #include "../params.h"
 
@@ -28,8 +30,24 @@ cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt
   const int64_t blocks = num_m * instances;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   FwdRuntime grid_rt = rt;
-  grid_rt.tile_group = std::min(std::max<int64_t>((4 * int64_t{rt.sms} + num_m - 1) / num_m, 1), instances);
+  grid_rt.tile_group = forward_tile_group(p, rt.sms, num_m);
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, kSmem, stream>>>(p, grid_rt);
+  return cudaGetLastError();
+}
+
+// The sm_90 kernel: one CTA per query tile as above, 384 threads, one CTA per SM.
+template <class T, int D>
+cudaError_t launch_forward_sm90(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
+  using Cfg = FwdSm90Config<T, D>;
+  auto* kernel = &forward_sm90_kernel<Cfg>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t num_m = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int64_t blocks = num_m * p.num_instances();
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  FwdRuntime grid_rt = rt;
+  grid_rt.tile_group = forward_tile_group(p, rt.sms, num_m);
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid_rt);
   return cudaGetLastError();
 }
 
@@ -38,6 +56,8 @@ cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt
 // (forward.cu picks k3xTf32 for kExactF32; the 16-bit types take the default).
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
+  if constexpr (fwd_sm90_covers(sizeof(T), D))
+    if (rt.sm90) return launch_forward_sm90<T, D>(p, rt, stream);  // forward.cu checked the fast conditions
   const bool fast = !p.has(kHasBias) && !p.has(kHasMask) && !p.has(kDropout) && !rt.fold_scale &&
                     p.head_dim == D && rt.q_vec && rt.k_vec && rt.v_vec;
   return fast ? launch_forward_config<T, D, false, M>(p, rt, stream)

@@ -3,6 +3,8 @@
 // the launcher precomputes for it.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
+
 #include <cstdint>
 
 #include "primitives/ptx.h"
@@ -55,6 +57,23 @@ struct FwdOperands {
   float* lse;  // null when absent
 };
 
+// One operand's TMA descriptor for the sm_90 forward (forward.cu builds it,
+// fwd_sm90_mainloop.h loads with it): a tensor of rank 2 + n, dims (head dim,
+// rows, then the n <= 3 instance axes with more than one element and a nonzero
+// stride). Boxes of 64 columns (128 bytes, the swizzle's width) by a tile's
+// rows. Tensor dim 2 + i of instance `linear` is at (linear / inst_div[i]) %
+// inst_size[i] (1 and 1 past n: coordinate 0).
+struct FwdTmaOperand {
+  CUtensorMap map;
+  int rank;
+  int64_t inst_div[3], inst_size[3];
+
+  __device__ __forceinline__ void instance_coords(int64_t linear, int (&c)[3]) const {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) c[i] = static_cast<int>(linear / inst_div[i] % inst_size[i]);
+  }
+};
+
 // Launch-time values, computed once on the host (see forward.cu).
 struct FwdRuntime {
   // Scores reach the softmax as s, in units where exp2(s * exp_scale) is the
@@ -74,12 +93,13 @@ struct FwdRuntime {
   // 16-byte-aligned rows (base, row and instance strides; for o in its output
   // type): cp.async and vector stores; otherwise the element-wise fallback.
   bool q_vec, k_vec, v_vec, o_vec;
-  // The grid's instance groups (fwd_kernel.h): enough instances that a group's
-  // work per CTA slot exceeds its longest query tile, few enough that their
-  // K/V stay near L2's size: ceil(4 SMs / query tiles), so a group is ~4 CTAs
-  // per SM (2 resident, tiles averaging half the longest under causal masking).
+  // The grid's instance groups (fwd_schedule.h).
   int sms;             // the device's multiprocessors (forward.cu)
   int64_t tile_group;  // instances per group (the launcher)
+  // The sm_90 kernel runs (forward.cu: the device runs sm_90a code, the case
+  // is covered, every operand has a TMA descriptor), with these descriptors.
+  bool sm90;
+  FwdTmaOperand tma_q, tma_k, tma_v;
 };
 
 }  // namespace jaxflash::gpu

@@ -40,3 +40,34 @@ struct FwdTileSize {
 };
 
 }  // namespace jaxflash::gpu
+
+namespace jaxflash::gpu {
+
+// The sm_90 forward (fwd_sm90_kernel.h): 16-bit types at D = 64 and 128 with
+// the fast variant's conditions (fwd_launch.h); other head dims run the
+// mma.sync kernel above. A CTA is a producer warpgroup and two consumer
+// warpgroups of 64 query rows each (a wgmma's M), so BLOCK_M = 128.
+// BLOCK_N = 128 keys per tile: S is a 64 x 128 accumulator (64 registers per
+// thread) beside O (D / 2) and P as the next product's A operand (32), within
+// the 240 registers a consumer gets. Two stages of K and V: (128 + 4 x 128) x D
+// x 2 bytes = 160 KB at D = 128, so one CTA per SM.
+constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
+  return elem_bytes == 2 && (head_dim == 64 || head_dim == 128);
+}
+
+template <int D>
+struct FwdSm90TileSize {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+};
+
+// Its shared memory: Q, kStages K and V tiles, the mbarriers and 1 KB to
+// align the base to the swizzle's 1024-byte atom (fwd_sm90_mainloop.h).
+template <int D>
+constexpr int fwd_sm90_smem_bytes() {
+  using Tiles = FwdSm90TileSize<D>;
+  return (Tiles::kBlockM + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 + (1 + 4 * Tiles::kStages) * 8 + 1024;
+}
+
+}  // namespace jaxflash::gpu

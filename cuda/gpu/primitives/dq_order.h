@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "ptx.h"
+#include "tma.h"
 
 namespace jaxflash::gpu {
 
@@ -61,17 +62,4 @@ __device__ __forceinline__ void bulk_wait_reads() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
-// Orders this thread's generic-proxy accesses of the state space against
-// async-proxy (bulk) ones.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
-
 }  // namespace jaxflash::gpu

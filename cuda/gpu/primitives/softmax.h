@@ -41,13 +41,16 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Folds one tile of scores into the state: s becomes P = exp2(s * exp_scale -
-// offset), and O and the sums are rescaled to the new offset. exp_scale > 0
-// (the launcher guarantees it), so the max of s is the max of the scaled
-// scores. P carries the factor 2^-p_shift (FwdRuntime: it keeps the sum of P.V
-// finite); the sums carry it too, and softmax_finalize takes it out of lse.
-template <int MF, int NF, int DF>
-__device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)[MF][DF][4], SoftmaxState<MF>& st,
-                                               float exp_scale, float p_shift) {
+// offset), the sums move to the new offset, and rescale(mf, h, alpha) gets
+// each row's factor from the old offset to the new one, which O has to take:
+// at once (online_softmax), or, in the sm_90 forward, once its in-flight
+// product with the previous P is done. exp_scale > 0 (the launcher guarantees
+// it), so the max of s is the max of the scaled scores. P carries the factor
+// 2^-p_shift (FwdRuntime: it keeps the sum of P.V finite); the sums carry it
+// too, and softmax_finalize takes it out of lse.
+template <int MF, int NF, class Rescale>
+__device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], SoftmaxState<MF>& st, float exp_scale,
+                                               float p_shift, Rescale&& rescale) {
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
@@ -73,10 +76,23 @@ __device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)
         }
       }
       st.sum[mf][h] = st.sum[mf][h] * alpha + sum;
-#pragma unroll
-      for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= alpha, o[mf][df][2 * h + 1] *= alpha;
+      rescale(mf, h, alpha);
     }
   }
+}
+
+// Row h of fragment row mf of O times alpha.
+template <int MF, int DF>
+__device__ __forceinline__ void rescale_row(float (&o)[MF][DF][4], int mf, int h, float alpha) {
+#pragma unroll
+  for (int df = 0; df < DF; ++df) o[mf][df][2 * h] *= alpha, o[mf][df][2 * h + 1] *= alpha;
+}
+
+// The mma.sync forward's step: O rescaled row by row as the factors come.
+template <int MF, int NF, int DF>
+__device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)[MF][DF][4], SoftmaxState<MF>& st,
+                                               float exp_scale, float p_shift) {
+  softmax_update(s, st, exp_scale, p_shift, [&](int mf, int h, float alpha) { rescale_row(o, mf, h, alpha); });
 }
 
 // After the last tile: O *= out_scale / sum, and per row the lse in base 2 as

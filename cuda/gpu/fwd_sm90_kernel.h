@@ -1,0 +1,103 @@
+// The sm_90 forward kernel: FlashAttention-3's warp specialisation on
+// Hopper, for the cases tile_size.h's fwd_sm90_covers names (16-bit, D = 64 /
+// 128) under the fast variant's conditions (fwd_launch.h).
+//
+// A CTA is three warpgroups over BLOCK_M = 128 query rows of one instance:
+//   warpgroup 0: the producer. One thread issues every TMA load (Q, then the
+//                K / V tiles through the mbarrier pipeline); the warpgroup
+//                gives its registers to the consumers (setmaxnreg).
+//   warpgroups 1, 2: consumers of 64 query rows each: the wgmma products, the
+//                online softmax, and the epilogue of their rows.
+// fwd_sm90_mainloop.h has the two roles' loops; the epilogue is the mma.sync
+// kernel's (fwd_epilogue.h), a consumer warp's 16 rows being one of its
+// warps' m16 fragment: wgmma's accumulator layout is mma.sync's.
+#pragma once
+
+#include <cstdint>
+
+#include "fwd_epilogue.h"
+#include "fwd_schedule.h"
+#include "fwd_sm90_mainloop.h"
+#include "instance.h"
+#include "kernel_traits.h"
+#include "primitives/positions.h"
+#include "primitives/softmax.h"
+#include "primitives/tma.h"
+#include "primitives/wgmma.h"
+#include "tile_size.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+template <class T_, int D>
+struct FwdSm90Config {
+  using T = T_;
+  static_assert(fwd_sm90_covers(sizeof(T), D), "see tile_size.h");
+  static constexpr int kHeadDim = D;
+  static constexpr int kBlockM = FwdSm90TileSize<D>::kBlockM;
+  static constexpr int kBlockN = FwdSm90TileSize<D>::kBlockN;
+  static constexpr int kStages = FwdSm90TileSize<D>::kStages;
+  static constexpr bool kPingPong = true;
+  static constexpr int kThreads = 384;
+  // Registers per thread after setmaxnreg: 24 x 128 + 240 x 256 = 64512 of
+  // the SM's 65536 (the launch allocates 168 each, 64512 in all).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  using QTile = GmmaTile<T, kBlockM, D>;  // Q, then O on its way out
+  using KTile = GmmaTile<T, kBlockN, D>;  // K and V
+  static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
+  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D>(), "tile_size.h sizes the same layout");
+  // The shape the epilogue (fwd_epilogue.h) sees: 8 consumer warps of one m16
+  // fragment of rows each.
+  static constexpr int kWarpRows = 16, kMF = 1, kDF = D / 8;
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    forward_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ FwdRuntime rt) {
+#if JF_WGMMA
+  using T = typename Cfg::T;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+  extern __shared__ char smem_raw[];
+  const FwdSm90Smem<Cfg> sm{smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024)};
+
+  const FwdTile tile = forward_tile<BM>(p, rt, blockIdx.x);
+  const InstanceBounds bounds = instance_bounds(p, tile.linear);
+  const KeyRange keys = visible_keys(p, bounds, tile.m0, tile.m0 + BM);
+  const Positions pos(p, bounds);
+  // No visible key for any row (or all rows padding): nothing is loaded, and
+  // the epilogue alone writes O = 0 and lse = -inf.
+  const bool any = keys.lo < keys.hi;
+  const int first = static_cast<int>(keys.lo) / BN * BN, last = static_cast<int>(keys.hi - 1) / BN * BN;
+
+  const int tid = threadIdx.x;
+  // The warpgroup, as a value ptxas knows to be warp-uniform (a shuffle from
+  // lane 0): it serialises wgmma near branches it cannot prove uniform.
+  const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
+  if (tid == 0) sm.init_barriers();
+  __syncthreads();  // the only CTA-wide barrier: the producer leaves early
+
+  if (warpgroup == 0) {
+    regs_release<Cfg::kProducerRegs>();
+    if (tid == 0 && any) forward_sm90_produce<Cfg>(p, rt, sm, tile.linear, tile.m0, first, last);
+    return;
+  }
+  regs_acquire<Cfg::kConsumerRegs>();
+  const int ctid = tid - 128;  // among the consumers: warpgroup ctid / 128, warp ctid / 32
+  Acc<Cfg::kHeadDim> o;
+  zero_frags(o);
+  SoftmaxState<1> st;
+  st.init();
+  if (any) forward_sm90_consume<Cfg>(p, rt, pos, sm, tile.m0, first, last, o, st, warpgroup - 1, ctid % 128);
+
+  const InstanceIndex inst(p, tile.linear);
+  void* const o_origin = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
+  float* const lse_origin = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
+  // Each warp writes O into its own 16 rows of the Q tile, which only its
+  // warpgroup's products read, and those are complete.
+  forward_epilogue<Cfg>(p, rt, pos, o_origin, lse_origin, tile.m0, sm.q(), o, st, ctid);
+#else
+  (void)p, (void)rt;
+#endif
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,264 @@
+// The sm_90 forward's two roles over one CTA's key tiles: the producer
+// thread's TMA loads and a consumer warpgroup's products and softmax.
+//
+// Pipeline: Q once; K and V through kStages buffers each, every buffer with a
+// "full" transaction mbarrier (the TMA counts its bytes) and an "empty" one
+// (each consumer warp arrives when its products no longer read it). Key tiles
+// go from the last to the first, as in the mma.sync kernel (fwd_mainloop.h),
+// so the one tile with rows past kv_len comes first. The producer loads K of
+// tile i + 1 before V of tile i, the order the consumers use them in.
+//
+// A consumer warpgroup owns 64 query rows and runs rounds r = 0 .. n (n key
+// tiles); round r issues
+//   S_r = Q K_r^T             (SS wgmma, 64 x BLOCK_N, if r < n)
+//   O  += P_{r-1} V_{r-1}     (RS wgmma, P from registers, if r > 0)
+// together, then computes the softmax of S_r while the second product runs,
+// and only then rescales O (the product had to finish first) and turns S_r
+// into the next round's P. So the tensor cores always have the next product
+// queued while the softmax runs (FlashAttention-3's intra-warpgroup overlap).
+// With kPingPong the two warpgroups also take turns to issue their products,
+// so one's softmax runs while the other's products do.
+#pragma once
+
+#include <cstdint>
+
+#include "kernel_traits.h"
+#include "primitives/positions.h"
+#include "primitives/score.h"
+#include "primitives/smem_tile.h"
+#include "primitives/softmax.h"
+#include "primitives/tma.h"
+#include "primitives/wgmma.h"
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// Named barrier ids (0 is __syncthreads'): each consumer warpgroup's turn to
+// issue (kPingPong), and the consumers' meeting after zeroing V's padding rows.
+constexpr int kTurnBarrier = 1;  // + warpgroup
+constexpr int kZeroVBarrier = 3;
+constexpr int kConsumerThreads = 256;
+
+// The CTA's shared memory: Q (then O on its way out), the K and V stages and
+// the mbarriers, from a 1024-byte aligned base (the 128-byte swizzle's atom).
+template <class Cfg>
+struct FwdSm90Smem {
+  static constexpr int S = Cfg::kStages;
+  using QTile = typename Cfg::QTile;
+  using KTile = typename Cfg::KTile;
+  static constexpr int kKOff = QTile::kBytes;
+  static constexpr int kVOff = kKOff + S * KTile::kBytes;
+  static constexpr int kBarOff = kVOff + S * KTile::kBytes;
+  static constexpr int kBytes = kBarOff + (1 + 4 * S) * 8 + 1024;  // + the alignment slack
+
+  char* base;
+  __device__ __forceinline__ QTile q() const { return QTile{base}; }
+  __device__ __forceinline__ KTile k(int s) const { return KTile{base + kKOff + s * KTile::kBytes}; }
+  __device__ __forceinline__ KTile v(int s) const { return KTile{base + kVOff + s * KTile::kBytes}; }
+  __device__ __forceinline__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(base + kBarOff) + i; }
+  __device__ __forceinline__ uint64_t* q_full() const { return bar(0); }
+  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(1 + S + s); }
+  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(1 + 2 * S + s); }
+  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(1 + 3 * S + s); }
+
+  // By one thread, before a CTA barrier.
+  __device__ __forceinline__ void init_barriers() const {
+    mbar_init(q_full(), 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), kConsumerThreads / 32);
+      mbar_init(v_empty(s), kConsumerThreads / 32);
+    }
+    mbar_init_fence();
+  }
+};
+
+// Tile i's buffer and the parity of its use of it.
+template <int S>
+struct Stage {
+  int index;
+  uint32_t parity;
+  __device__ __forceinline__ explicit Stage(int i) : index(i % S), parity(static_cast<uint32_t>(i / S) & 1u) {}
+};
+
+// One TMA box per 64-column block of a tile whose rows start at `row`.
+template <class Tile>
+__device__ __forceinline__ void tma_load_tile(const FwdTmaOperand& op, const int (&inst)[3], uint64_t* bar,
+                                              const Tile& tile, int row) {
+#pragma unroll
+  for (int b = 0; b < Tile::kCols / Tile::kBlockCols; ++b) {
+    char* dst = tile.ptr + b * Tile::kBlockBytes;
+    const int col = b * Tile::kBlockCols;
+    switch (op.rank) {
+      case 2: tma_load<2>(&op.map, bar, dst, {col, row}); break;
+      case 3: tma_load<3>(&op.map, bar, dst, {col, row, inst[0]}); break;
+      case 4: tma_load<4>(&op.map, bar, dst, {col, row, inst[0], inst[1]}); break;
+      default: tma_load<5>(&op.map, bar, dst, {col, row, inst[0], inst[1], inst[2]}); break;
+    }
+  }
+}
+
+// The producer (one thread): Q, then the key tiles last..first, each buffer
+// once its previous tile's readers released it.
+template <class Cfg>
+__device__ __forceinline__ void forward_sm90_produce(const AttentionParams& p, const FwdRuntime& rt,
+                                                     const FwdSm90Smem<Cfg>& sm, int64_t linear, int m0, int first,
+                                                     int last) {
+  constexpr int BN = Cfg::kBlockN, S = Cfg::kStages;
+  int qc[3], kc[3], vc[3];
+  rt.tma_q.instance_coords(linear, qc);
+  rt.tma_k.instance_coords(linear, kc);
+  rt.tma_v.instance_coords(linear, vc);
+  mbar_arrive_expect_tx(sm.q_full(), Cfg::QTile::kBytes);
+  tma_load_tile(rt.tma_q, qc, sm.q_full(), sm.q(), m0);
+
+  const int n = (last - first) / BN + 1;
+  auto load_k = [&](int i) {
+    const Stage<S> st(i);
+    mbar_wait(sm.k_empty(st.index), st.parity ^ 1u);
+    mbar_arrive_expect_tx(sm.k_full(st.index), Cfg::KTile::kBytes);
+    tma_load_tile(rt.tma_k, kc, sm.k_full(st.index), sm.k(st.index), last - i * BN);
+  };
+  load_k(0);
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    if (i + 1 < n) load_k(i + 1);
+    const Stage<S> st(i);
+    mbar_wait(sm.v_empty(st.index), st.parity ^ 1u);
+    mbar_arrive_expect_tx(sm.v_full(st.index), Cfg::KTile::kBytes);
+    tma_load_tile(rt.tma_v, vc, sm.v_full(st.index), sm.v(st.index), last - i * BN);
+  }
+}
+
+// Rows [row0, row_end) of V zeroed, every column: keys past kv_len that a
+// sequence length hides but that lie inside the tensor, so the TMA read them;
+// P is 0 there, but 0 * (inf or NaN) in the padding would still reach O. The
+// same trip count for every thread (ptxas serialises wgmma near divergent code).
+template <class Tile>
+__device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_end, int tid, int threads) {
+  constexpr int kChunks = Tile::kCols / Tile::kChunkElems;
+  for (int i = row0 * kChunks; i < row_end * kChunks; i += threads) {
+    const int c = i + tid;
+    if (c < row_end * kChunks)
+      *reinterpret_cast<uint4*>(tile.ptr + Tile::chunk_offset(c / kChunks, c % kChunks)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// One consumer warpgroup (wg = 0 or 1, warp-uniform; tid its thread index,
+// 0..127) over the key tiles last..first: on return o holds its rows'
+// unnormalised output and st their softmax state. Rounds 0 and n are peeled
+// off, so that no product is issued under a condition.
+template <class Cfg>
+__device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, const FwdRuntime& rt,
+                                                     const Positions& pos, const FwdSm90Smem<Cfg>& sm, int m0,
+                                                     int first, int last, Acc<Cfg::kHeadDim>& o,
+                                                     SoftmaxState<1>& st, int wg, int tid) {
+  using T = typename Cfg::T;
+  constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim, S = Cfg::kStages;
+  const int lane = tid % 32, warp = tid / 32;
+  const int wg_row0 = m0 + 64 * wg;            // the warpgroup's first query row
+  const int warp_row0 = wg_row0 + 16 * warp;  // the warp's accumulator rows
+  const FullTiles<BN> full(pos, wg_row0, min(wg_row0 + 64, pos.q_len) - 1);
+  // The first tile loaded (the last one) may hold keys in [kv_len, S) that a
+  // sequence length hides: zeroed before its P V (zero_rows).
+  const int pad_end = min(last + BN, static_cast<int>(p.seqlen_k));
+  const bool zero_v = pos.kv_len < pad_end;
+  const int n = (last - first) / BN + 1;
+
+  const GmmaOperand<typename Cfg::QTile, false> q_op(sm.q(), 64 * wg);
+  Acc<BN> s;
+  uint32_t pa[BN / 16][4];  // P of the previous round, the A operand of O += P V
+  float alpha[2];  // the rows' rescaling factors of the last softmax
+
+  auto wait_k = [&](int i) {
+    const Stage<S> st(i);
+    mbar_wait(sm.k_full(st.index), st.parity);
+  };
+  auto wait_v = [&](int i) {
+    const Stage<S> st(i);
+    mbar_wait(sm.v_full(st.index), st.parity);
+    if (i == 0 && zero_v) {
+      if (wg == 0) {
+        zero_rows(sm.v(st.index), pos.kv_len - last, pad_end - last, tid, 128);
+        fence_proxy_async_shared();  // the zeros, before the tensor cores read them
+      }
+      named_sync(kZeroVBarrier, kConsumerThreads);
+    }
+  };
+  // With kPingPong a warpgroup issues only in its turn and then hands the
+  // turn over; warpgroup 1's last turn has no successor.
+  auto begin_turn = [&] {
+    if constexpr (Cfg::kPingPong) named_sync(kTurnBarrier + wg, kConsumerThreads);
+    wgmma_fence();
+  };
+  auto end_turn = [&](bool last_turn) {
+    if constexpr (Cfg::kPingPong)
+      if (!(last_turn && wg == 1)) named_arrive(kTurnBarrier + (1 - wg), kConsumerThreads);
+  };
+  auto issue_s = [&](int i) {
+    const GmmaOperand<typename Cfg::KTile, false> k_op(sm.k(Stage<S>(i).index), 0);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BN, false, false>(s, q_op.step(kk), k_op.step(kk), kk > 0);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int i) {
+    const GmmaOperand<typename Cfg::KTile, true> v_op(sm.v(Stage<S>(i).index), 0);
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) wgmma_rs<T, D, true>(o, pa[j], v_op.step(j), true);
+    wgmma_commit();
+  };
+  // S_i has landed: release K_i, mask, softmax.
+  auto softmax = [&](int i) {
+    hold_acc(s);
+    mbar_arrive_if(sm.k_empty(Stage<S>(i).index), lane == 0);
+    const int n0 = last - i * BN;
+    if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+    softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
+  };
+  auto to_p = [&] {
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) a_operand<T>(pa[j], s, j);
+  };
+  // O += P_i V_i has landed: release V_i.
+  auto pv_done = [&](int i) {
+    hold_acc(o);
+    mbar_arrive_if(sm.v_empty(Stage<S>(i).index), lane == 0);
+  };
+
+  mbar_wait(sm.q_full(), 0);
+  if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, kConsumerThreads);  // warpgroup 0 goes first
+
+  wait_k(0);  // round 0: S_0 alone
+  begin_turn();
+  issue_s(0);
+  end_turn(false);
+  wgmma_wait<0>();
+  softmax(0);
+  to_p();
+#pragma unroll 1
+  for (int r = 1; r < n; ++r) {  // rounds 1 .. n - 1: S_r, then P_{r-1} V_{r-1}
+    wait_k(r);
+    wait_v(r - 1);
+    begin_turn();
+    issue_s(r);
+    issue_pv(r - 1);
+    end_turn(false);
+    wgmma_wait<1>();
+    softmax(r);
+    wgmma_wait<0>();
+    pv_done(r - 1);
+    rescale_row(o, 0, 0, alpha[0]);
+    rescale_row(o, 0, 1, alpha[1]);
+    to_p();
+  }
+  wait_v(n - 1);  // round n: the last P V
+  begin_turn();
+  issue_pv(n - 1);
+  end_turn(true);
+  wgmma_wait<0>();
+  pv_done(n - 1);
+}
+
+}  // namespace jaxflash::gpu

@@ -1,0 +1,154 @@
+// Hopper's asynchronous data movement and the synchronisation around it
+// (sm_90): transaction mbarriers, TMA tensor loads, named barriers and
+// setmaxnreg, what the warp-specialised forward (fwd_sm90_kernel.h) is built
+// from.
+//
+// A transaction mbarrier completes a phase when its expected arrivals have
+// arrived *and* the bytes announced by arrive_expect_tx have landed; a TMA load
+// names the mbarrier it counts its bytes against. Waiting is by phase parity:
+// a fresh barrier is in phase 0, so waiting for parity 1 (the phase "before")
+// returns at once, which is how a producer's first pass over empty buffers
+// goes through without a release.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cstdint>
+
+#include "ptx.h"
+
+namespace jaxflash::gpu {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define JF_SM90_ASYNC 1
+#else
+#define JF_SM90_ASYNC 0
+#endif
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {
+#if JF_SM90_ASYNC
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+#endif
+}
+
+// Makes the initialised barriers visible to the async proxy (the TMA unit
+// arrives on them); a CTA barrier must follow before any thread uses them.
+__device__ __forceinline__ void mbar_init_fence() {
+#if JF_SM90_ASYNC
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// An arrival by the threads with `pred` set, the others passing by: a
+// predicate rather than a branch, so that no divergent path lies between the
+// warpgroup's MMAs (ptxas serialises wgmma around divergent code).
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+#if JF_SM90_ASYNC
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(smem_addr(bar)),
+      "r"(static_cast<int>(pred))
+      : "memory");
+#endif
+}
+
+// One arrival that also announces `bytes` of TMA transactions for this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if JF_SM90_ASYNC
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Blocks until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if JF_SM90_ASYNC
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// A TMA load of one box of `map` at element coordinates c (innermost first)
+// into shared memory at dst, its bytes counted against `bar`. R = the map's rank.
+template <int R>
+__device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, void* dst, const int (&c)[R]) {
+  static_assert(R >= 2 && R <= 5, "the ranks the forward's maps have");
+#if JF_SM90_ASYNC
+  const uint64_t m = reinterpret_cast<uint64_t>(map);
+  const uint32_t d = smem_addr(dst), b = smem_addr(bar);
+  if constexpr (R == 2)
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(d),
+        "l"(m), "r"(b), "r"(c[0]), "r"(c[1])
+        : "memory");
+  else if constexpr (R == 3)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(d),
+        "l"(m), "r"(b), "r"(c[0]), "r"(c[1]), "r"(c[2])
+        : "memory");
+  else if constexpr (R == 4)
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(d),
+        "l"(m), "r"(b), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3])
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(d),
+        "l"(m), "r"(b), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4])
+        : "memory");
+#else
+  (void)map, (void)bar, (void)dst, (void)c;
+#endif
+}
+
+// Brings the tensor map into the TMA unit's cache ahead of its first use.
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+#if JF_SM90_ASYNC
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#endif
+}
+
+// Orders this thread's generic-proxy accesses of the state space against
+// async-proxy (bulk) ones.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if JF_SM90_ASYNC
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if JF_SM90_ASYNC
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
+// Named barriers (ids 1..15; 0 is __syncthreads'): `threads` in all, the
+// waiting ones arriving through sync, the signalling ones through arrive.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Moves registers between warpgroups: a producer gives up what it does not
+// need and the consumers take it (all warps of a warpgroup execute it together).
+template <int N>
+__device__ __forceinline__ void regs_release() {
+#if JF_SM90_ASYNC
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void regs_acquire() {
+#if JF_SM90_ASYNC
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+}  // namespace jaxflash::gpu
