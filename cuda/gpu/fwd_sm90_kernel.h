@@ -37,7 +37,7 @@ struct FwdSm90Config {
   static constexpr int kBlockM = FwdSm90TileSize<D>::kBlockM;
   static constexpr int kBlockN = FwdSm90TileSize<D>::kBlockN;
   static constexpr int kStages = FwdSm90TileSize<D>::kStages;
-  static constexpr bool kPingPong = true;
+  static constexpr bool kPingPong = FwdSm90TileSize<D>::kPingPong;
   static constexpr int kThreads = 384;
   // Registers per thread after setmaxnreg: 24 x 128 + 240 x 256 = 64512 of
   // the SM's 65536 (the launch allocates 168 each, 64512 in all).
