@@ -86,9 +86,9 @@ if want tests quick; then
 fi
 
 if want bench; then
-  # memcheck and racecheck on jaxflash's own kernels (kns: kernel-name substring),
+  # memcheck, racecheck and synccheck on jaxflash's own kernels (kns: kernel-name substring),
   # each buffer its own allocation so that an overrun is not hidden in XLA's pool.
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     step "$tool" "$tool.log" 100 env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" \
       --kernel-name kns=jaxflash --error-exitcode 1 python3 "$REPO/scripts/sanitize_cases.py"
   done
@@ -115,7 +115,7 @@ for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done
 [ -f "$OUT/pytest.log" ] && grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
 [ -f "$OUT/sharding.log" ] && grep -E "passed|failed" "$OUT/sharding.log" | tail -n 1
 for f in "$OUT"/*selftest.log; do [ -f "$f" ] && printf '%-18s %s\n' "$(basename "$f" .log)" "$(grep -E "passed, .* failed" "$f")"; done
-grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log 2>/dev/null
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log 2>/dev/null
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/dropout.log" ] && cat "$OUT/dropout.log"
 [ -f "$OUT/multi_bench.log" ] && cat "$OUT/multi_bench.log"

@@ -20,6 +20,9 @@ CASES = (
     ("float32", (1, 77, 2, 96), (1, 33, 2, 96), dict(bias=(1, 2, 77, 33), is_causal=True)),
     ("bfloat16", (1, 130, 2, 200), (1, 257, 2, 200), dict(mask_alignment="bottom_right", is_causal=True)),
     ("float16", (1, 1, 2, 32), (1, 1, 2, 32), {}),
+    # The sm_90 forward (16-bit, D = 64 / 128): TMA past the ends, and V's rows past a sequence
+    # length zeroed in shared memory.
+    ("float16", (2, 150, 2, 128), (2, 200, 2, 128), dict(lengths=True)),
     # Dropout: the sm_90 backward's dropout copy (16-bit, D = 64, no bias) and the mma.sync
     # general kernels with the dbias pass (float32, bias).
     ("bfloat16", (2, 150, 4, 64), (2, 150, 2, 64), dict(is_causal=True, dropout=True)),
