@@ -2,11 +2,11 @@
 // Hopper, for the cases tile_size.h's fwd_sm90_covers names (16-bit, D = 64 /
 // 128) under the fast variant's conditions (fwd_launch.h).
 //
-// A CTA is three warpgroups over BLOCK_M = 128 query rows of one instance:
+// A CTA is 1 + BLOCK_M / 64 warpgroups over BLOCK_M query rows of one instance:
 //   warpgroup 0: the producer. One thread issues every TMA load (Q, then the
 //                K / V tiles through the mbarrier pipeline); the warpgroup
 //                gives its registers to the consumers (setmaxnreg).
-//   warpgroups 1, 2: consumers of 64 query rows each: the wgmma products, the
+//   warpgroups 1, 2 (, 3): consumers of 64 query rows each: the wgmma products, the
 //                online softmax, and the epilogue of their rows.
 // fwd_sm90_mainloop.h has the two roles' loops; the epilogue is the mma.sync
 // kernel's (fwd_epilogue.h), a consumer warp's 16 rows being one of its
@@ -38,10 +38,17 @@ struct FwdSm90Config {
   static constexpr int kBlockN = FwdSm90TileSize<D>::kBlockN;
   static constexpr int kStages = FwdSm90TileSize<D>::kStages;
   static constexpr bool kPingPong = FwdSm90TileSize<D>::kPingPong;
-  static constexpr int kThreads = 384;
-  // Registers per thread after setmaxnreg: 24 x 128 + 240 x 256 = 64512 of
-  // the SM's 65536 (the launch allocates 168 each, 64512 in all).
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
+  static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  // Registers per thread after setmaxnreg: the producer keeps 24 and the
+  // consumers share the rest of the SM's 65536 in multiples of 8 (two: 240,
+  // three: 160); the launch allocates 65536 / kThreads each.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / kConsumerThreads / 8 * 8 > 240
+                                           ? 240
+                                           : (65536 - 128 * kProducerRegs) / kConsumerThreads / 8 * 8;
   using QTile = GmmaTile<T, kBlockM, D>;  // Q, then O on its way out
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;

@@ -34,10 +34,10 @@
 namespace jaxflash::gpu {
 
 // Named barrier ids (0 is __syncthreads'): each consumer warpgroup's turn to
-// issue (kPingPong), and the consumers' meeting after zeroing V's padding rows.
+// issue (kPingPong: two consumers), and the consumers' meeting after zeroing
+// V's padding rows.
 constexpr int kTurnBarrier = 1;  // + warpgroup
 constexpr int kZeroVBarrier = 3;
-constexpr int kConsumerThreads = 256;
 
 // The CTA's shared memory: Q (then O on its way out), the K and V stages and
 // the mbarriers, from a 1024-byte aligned base (the 128-byte swizzle's atom).
@@ -68,8 +68,8 @@ struct FwdSm90Smem {
     for (int s = 0; s < S; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
-      mbar_init(k_empty(s), kConsumerThreads / 32);
-      mbar_init(v_empty(s), kConsumerThreads / 32);
+      mbar_init(k_empty(s), Cfg::kConsumerThreads / 32);
+      mbar_init(v_empty(s), Cfg::kConsumerThreads / 32);
     }
     mbar_init_fence();
   }
@@ -146,7 +146,7 @@ __device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_en
   }
 }
 
-// One consumer warpgroup (wg = 0 or 1, warp-uniform; tid its thread index,
+// One consumer warpgroup (wg = 0 .. kConsumers - 1, warp-uniform; tid its thread index,
 // 0..127) over the key tiles last..first: on return o holds its rows'
 // unnormalised output and st their softmax state. Rounds 0 and n are peeled
 // off, so that no product is issued under a condition.
@@ -184,18 +184,18 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
         zero_rows(sm.v(st.index), pos.kv_len - last, pad_end - last, tid, 128);
         fence_proxy_async_shared();  // the zeros, before the tensor cores read them
       }
-      named_sync(kZeroVBarrier, kConsumerThreads);
+      named_sync(kZeroVBarrier, Cfg::kConsumerThreads);
     }
   };
   // With kPingPong a warpgroup issues only in its turn and then hands the
   // turn over; warpgroup 1's last turn has no successor.
   auto begin_turn = [&] {
-    if constexpr (Cfg::kPingPong) named_sync(kTurnBarrier + wg, kConsumerThreads);
+    if constexpr (Cfg::kPingPong) named_sync(kTurnBarrier + wg, Cfg::kConsumerThreads);
     wgmma_fence();
   };
   auto end_turn = [&](bool last_turn) {
     if constexpr (Cfg::kPingPong)
-      if (!(last_turn && wg == 1)) named_arrive(kTurnBarrier + (1 - wg), kConsumerThreads);
+      if (!(last_turn && wg == 1)) named_arrive(kTurnBarrier + (1 - wg), Cfg::kConsumerThreads);
   };
   auto issue_s = [&](int i) {
     const GmmaOperand<typename Cfg::KTile, false> k_op(sm.k(Stage<S>(i).index), 0);
@@ -228,7 +228,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   };
 
   mbar_wait(sm.q_full(), 0);
-  if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, kConsumerThreads);  // warpgroup 0 goes first
+  if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);  // warpgroup 0 goes first
 
   wait_k(0);  // round 0: S_0 alone
   begin_turn();

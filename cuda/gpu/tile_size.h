@@ -45,27 +45,34 @@ namespace jaxflash::gpu {
 
 // The sm_90 forward (fwd_sm90_kernel.h): 16-bit types at D = 64 and 128 with
 // the fast variant's conditions (fwd_launch.h); other head dims run the
-// mma.sync kernel above. A CTA is a producer warpgroup and two consumer
-// warpgroups of 64 query rows each (a wgmma's M), so BLOCK_M = 128.
+// mma.sync kernel above. A CTA is a producer warpgroup and BLOCK_M / 64
+// consumer warpgroups of 64 query rows each (a wgmma's M).
 // BLOCK_N = 128 keys per tile: S is a 64 x 128 accumulator (64 registers per
-// thread) beside O (D / 2) and P as the next product's A operand (32), within
-// the 240 registers a consumer gets. Two stages of K and V: (128 + 4 x 128) x D
-// x 2 bytes = 160 KB at D = 128, so one CTA per SM.
+// thread) beside O (D / 2) and P as the next product's A operand (32).
+//   D = 128: BLOCK_M = 128, two consumers of 240 registers. Two stages of K
+//            and V: (128 + 4 x 128) x 128 x 2 bytes = 160 KB, one CTA per SM.
+//   D = 64:  BLOCK_M = 192, three consumers of 160 registers (FlashAttention-3's
+//            shape): at D = 64 the products are short beside the softmax, and a
+//            third warpgroup keeps the tensor cores fed. Measured against
+//            BLOCK_M = 128 (H200, self-test bench, 2 alternating rounds): 1.09 /
+//            1.19 / 1.21 at N = 1k / 4k / 16k, causal 1.02 / 1.14 / 1.20, although
+//            ptxas spills ~160 bytes at 160 registers.
 constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
   return elem_bytes == 2 && (head_dim == 64 || head_dim == 128);
 }
 
 //
-// Ping-pong (the consumers take turns to issue their products), measured on
-// the H100 against no turns (self-test bench, 2 alternating rounds): at D = 64
-// turns cost 2-4% at N >= 4k and nothing at 1k, so D = 64 runs without; at
-// D = 128 they gain 1-4% at N <= 4k and cost ~5% non-causal at 16k: kept.
+// Ping-pong (two consumers take turns to issue their products), measured on
+// the H100 against no turns (self-test bench, 2 alternating rounds): at D = 128
+// they gain 1-4% at N <= 4k and cost ~5% non-causal at 16k: kept. At D = 64,
+// still with two consumers then, they cost 2-4% at N >= 4k; with three there
+// are no turns.
 //
 // Tried and not kept: a persistent grid (branch sm90-persistent-wip): D = 64
 // gained 14% at N = 1k, but D = 128 lost 10-30% to spills in the consumers.
 template <int D>
 struct FwdSm90TileSize {
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = D == 64 ? 192 : 128;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = D == 128;
