@@ -36,9 +36,9 @@ cudaError_t launch_forward_config(const AttentionParams& p, const FwdRuntime& rt
 }
 
 // The sm_90 kernel: one CTA per query tile as above, 384 threads, one CTA per SM.
-template <class T, int D>
+template <class T, int D, bool kDropout>
 cudaError_t launch_forward_sm90(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = FwdSm90Config<T, D>;
+  using Cfg = FwdSm90Config<T, D, kDropout>;
   auto* kernel = &forward_sm90_kernel<Cfg>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -57,7 +57,9 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, const FwdRuntime& rt, 
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   if constexpr (fwd_sm90_covers(sizeof(T), D))
-    if (rt.sm90) return launch_forward_sm90<T, D>(p, rt, stream);  // forward.cu checked the fast conditions
+    if (rt.sm90)  // forward.cu checked the conditions
+      return p.has(kDropout) ? launch_forward_sm90<T, D, true>(p, rt, stream)
+                             : launch_forward_sm90<T, D, false>(p, rt, stream);
   const bool fast = !p.has(kHasBias) && !p.has(kHasMask) && !p.has(kDropout) && !rt.fold_scale &&
                     p.head_dim == D && rt.q_vec && rt.k_vec && rt.v_vec;
   return fast ? launch_forward_config<T, D, false, M>(p, rt, stream)

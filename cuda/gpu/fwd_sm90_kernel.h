@@ -29,11 +29,14 @@
 
 namespace jaxflash::gpu {
 
-template <class T_, int D>
+// kDropout: a copy of the kernel with attention dropout, so that the copy
+// without keeps its registers.
+template <class T_, int D, bool kDropout_>
 struct FwdSm90Config {
   using T = T_;
   static_assert(fwd_sm90_covers(sizeof(T), D), "see tile_size.h");
   static constexpr int kHeadDim = D;
+  static constexpr bool kDropout = kDropout_;
   static constexpr int kBlockM = FwdSm90TileSize<D>::kBlockM;
   static constexpr int kBlockN = FwdSm90TileSize<D>::kBlockN;
   static constexpr int kStages = FwdSm90TileSize<D>::kStages;
@@ -94,7 +97,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   zero_frags(o);
   SoftmaxState<1> st;
   st.init();
-  if (any) forward_sm90_consume<Cfg>(p, rt, pos, sm, tile.m0, first, last, o, st, warpgroup - 1, ctid % 128);
+  if (any) {
+    const uint32_t* seed = nullptr;
+    if constexpr (Cfg::kDropout) seed = InstanceIndex(p, tile.linear).origin<const uint32_t>(p, p.seed);
+    forward_sm90_consume<Cfg>(p, rt, pos, sm, tile.m0, first, last, seed, o, st, warpgroup - 1, ctid % 128);
+  }
 
   const InstanceIndex inst(p, tile.linear);
   void* const o_origin = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);

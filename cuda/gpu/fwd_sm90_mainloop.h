@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "kernel_traits.h"
+#include "primitives/dropout.h"
 #include "primitives/positions.h"
 #include "primitives/score.h"
 #include "primitives/smem_tile.h"
@@ -148,13 +149,14 @@ __device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_en
 
 // One consumer warpgroup (wg = 0 .. kConsumers - 1, warp-uniform; tid its thread index,
 // 0..127) over the key tiles last..first: on return o holds its rows'
-// unnormalised output and st their softmax state. Rounds 0 and n are peeled
+// unnormalised output and st their softmax state. seed: the instance's dropout
+// seed words (Cfg::kDropout). Rounds 0 and n are peeled
 // off, so that no product is issued under a condition.
 template <class Cfg>
 __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, const FwdRuntime& rt,
                                                      const Positions& pos, const FwdSm90Smem<Cfg>& sm, int m0,
-                                                     int first, int last, Acc<Cfg::kHeadDim>& o,
-                                                     SoftmaxState<1>& st, int wg, int tid) {
+                                                     int first, int last, const uint32_t* seed,
+                                                     Acc<Cfg::kHeadDim>& o, SoftmaxState<1>& st, int wg, int tid) {
   using T = typename Cfg::T;
   constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim, S = Cfg::kStages;
   const int lane = tid % 32, warp = tid / 32;
@@ -171,6 +173,10 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   Acc<BN> s;
   uint32_t pa[BN / 16][4];  // P of the previous round, the A operand of O += P V
   float alpha[2];  // the rows' rescaling factors of the last softmax
+  // Dropout: the lane's two row keys, hashed once for all key tiles.
+  const DropoutKey dropout =
+      Cfg::kDropout ? make_dropout_key(seed, p.seed.col_stride, p.keep_threshold) : DropoutKey{};
+  const FragRowKeys<1> dropout_rows(dropout, Cfg::kDropout ? warp_row0 : 0, lane);
 
   auto wait_k = [&](int i) {
     const Stage<S> st(i);
@@ -216,6 +222,8 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     const int n0 = last - i * BN;
     if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
     softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
+    // After the softmax's sums: dropout changes what reaches O, not the normaliser.
+    if constexpr (Cfg::kDropout) drop_probabilities(s, dropout, dropout_rows, n0, lane);
   };
   auto to_p = [&] {
 #pragma unroll
