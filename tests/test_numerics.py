@@ -48,27 +48,34 @@ def _nan_pattern(tree):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["dropout_d64"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("where", list(NAN_AT))
 def test_nan_propagates_as_in_jax_nn(where, dtype, variant, is_causal, backend, device):
-  head_dim, with_bias, precision = VARIANTS[variant]
+  """With dropout (dropout_d64: the kernels' dropout copies) the reference is jax.nn's math
+  restated in XLA with the kernels' own dropout mask (reference.restated_reference_attention):
+  a dropped entry is P·0, which is NaN where P is."""
+  head_dim, with_bias, precision = VARIANTS.get(variant, (64, False, None))
+  dropout = dict(dropout_rate=0.3) if variant.startswith("dropout") else {}
   if where == "bias" and not with_bias:
     pytest.skip("no bias in this variant")
 
   def make():
     inputs = _inputs(jax.random.key(0), dtype, head_dim, with_bias)
     inputs[where] = inputs[where].at[NAN_AT[where]].set(jnp.nan)
+    if dropout:
+      inputs["dropout_rng"] = jax.random.key(2)
     cotangent = jax.random.normal(jax.random.key(1), (B, T, N, head_dim)).astype(dtype)
     return inputs, cotangent
 
   inputs, cotangent = reference.made_on_cpu(device, make)
-  options = dict(is_causal=is_causal, precision=precision)
+  options = dict(is_causal=is_causal, precision=precision, **dropout)
   ours = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **options)
   # jax.nn itself, in float32 (NaN does not depend on the dtype; jax.nn's half-precision
   # gradients do not compile on the CPU).
-  theirs = reference.on_cpu(reference.forward_and_grads, jax.nn.dot_product_attention,
-                            reference.upcast_floats(inputs), cotangent, is_causal=is_causal)
+  peer = reference.restated_reference_attention if dropout else jax.nn.dot_product_attention
+  theirs = reference.on_cpu(reference.forward_and_grads, peer, reference.upcast_floats(inputs),
+                            cotangent, is_causal=is_causal, **dropout)
   names = ["out"] + sorted(ours[1])
   ours_nan = _nan_pattern((ours[0], [ours[1][n] for n in sorted(ours[1])]))
   theirs_nan = _nan_pattern((theirs[0], [theirs[1][n] for n in sorted(theirs[1])]))

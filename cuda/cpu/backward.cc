@@ -77,11 +77,13 @@ void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& b
       for (int64_t j = 0; j < cols; ++j) dpi[j] = si[j] * (dpi[j] - tile.delta[i]);
       continue;
     }
+    // Dropped entries as products with 0, not zeros: a NaN in dP or P reaches dS and dV as
+    // in jax.nn's math with dropout (the autodiff of P o Z).
     const uint32_t row_key = dropout.row_key(t0 + i);
     for (int64_t j = 0; j < cols; ++j) {
       const bool keep = dropout.keep(row_key, s0 + j);
-      dpi[j] = si[j] * ((keep ? dpi[j] * p.keep_scale : 0.f) - tile.delta[i]);
-      if (!keep) si[j] = 0.f;
+      dpi[j] = si[j] * (dpi[j] * (keep ? p.keep_scale : 0.f) - tile.delta[i]);
+      si[j] *= keep ? 1.f : 0.f;
     }
   }
 }

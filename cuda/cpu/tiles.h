@@ -276,11 +276,11 @@ void finish_logits(const AttentionParams& p, const InstanceBounds& b, const Logi
 }
 
 // Attention dropout on row t of P, keys [s0, s0 + cols): the entries it drops
-// become 0 (the kept ones are scaled by keep_scale later, once per output).
+// become P * 0 (the kept ones are scaled by keep_scale later, once per output).
+// A product, not a 0: a NaN P stays NaN, as in jax.nn's math with dropout.
 inline void drop_row(const DropoutKey& dropout, int64_t t, int64_t s0, int64_t cols, float* p) {
   const uint32_t row_key = dropout.row_key(t);
-  for (int64_t j = 0; j < cols; ++j)
-    if (!dropout.keep(row_key, s0 + j)) p[j] = 0.f;
+  for (int64_t j = 0; j < cols; ++j) p[j] *= dropout.keep(row_key, s0 + j) ? 1.f : 0.f;
 }
 
 // Instance-space bookkeeping for the passes that reduce over some instance axes

@@ -131,9 +131,9 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
       const FragRowKeys<MF> rows(dropout, m0 + row0, lane);
       for_each_dropout_decision<NF>(dropout, rows, n0 + col0, lane, [&](int mf, int nf, int i, bool keep) {
         const float pv = pr[mf][nf][i];
-        const float dp = keep ? ds[mf][nf][i] * p.keep_scale : 0.f;
+        const float dp = ds[mf][nf][i] * (keep ? p.keep_scale : 0.f);
         ds[mf][nf][i] = pv != 0.f ? pv * (dp - delta[mf][i >> 1]) : 0.f;
-        if (!keep) pr[mf][nf][i] = 0.f;
+        pr[mf][nf][i] *= keep ? 1.f : 0.f;
       });
       return;
     }

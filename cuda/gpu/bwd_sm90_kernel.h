@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             float dpv = dp[0][nf][e];
             if constexpr (Cfg::kDropout) {
               const bool keep = dropout_bits(e & 1 ? rk.y : rk.x, key + 8 * (e >> 1)) < p.keep_threshold;
-              dpv = keep ? dpv * p.keep_scale : 0.f;
-              if (!keep) s[0][nf][e] = 0.f;
+              dpv *= keep ? p.keep_scale : 0.f;  // products with 0: NaN stays NaN (primitives/dropout.h)
+              s[0][nf][e] *= keep ? 1.f : 0.f;
             }
             dp[0][nf][e] = pv != 0.f ? pv * (dpv - (e & 1 ? dl.y : dl.x)) : 0.f;
           }

@@ -41,12 +41,14 @@ __device__ __forceinline__ void for_each_dropout_decision(const DropoutKey& drop
     }
 }
 
-// P of the forward: the dropped entries become 0 (kept ones are scaled once, at the end).
+// P of the forward: the dropped entries become P * 0 (kept ones are scaled once,
+// at the end). Here and in the backwards a dropped entry is a product with 0,
+// never a 0 put in its place: a NaN stays NaN, as in jax.nn's math with dropout.
 template <int MF, int NF>
 __device__ __forceinline__ void drop_probabilities(float (&p)[MF][NF][4], const DropoutKey& dropout,
                                                    const FragRowKeys<MF>& rows, int64_t col0, int lane) {
   for_each_dropout_decision<NF>(dropout, rows, col0, lane, [&](int mf, int nf, int i, bool keep) {
-    if (!keep) p[mf][nf][i] = 0.f;
+    p[mf][nf][i] *= keep ? 1.f : 0.f;
   });
 }
 
