@@ -68,7 +68,7 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
 // still with two consumers then, they cost 2-4% at N >= 4k; with three there
 // are no turns.
 //
-// Tried and not kept: a persistent grid (branch sm90-persistent-wip): D = 64
+// Tried and not kept: a persistent grid (branch sm90-persistent): D = 64
 // gained 14% at N = 1k, but D = 128 lost 10-30% to spills in the consumers.
 template <int D>
 struct FwdSm90TileSize {
