@@ -56,7 +56,7 @@ struct FwdSm90Config {
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
   static_assert(kSmemBytes == fwd_sm90_smem_bytes<D>(), "tile_size.h sizes the same layout");
-  // The shape the epilogue (fwd_epilogue.h) sees: 8 consumer warps of one m16
+  // The shape the epilogue (fwd_epilogue.h) sees: the consumer warps, one m16
   // fragment of rows each.
   static constexpr int kWarpRows = 16, kMF = 1, kDF = D / 8;
 };
