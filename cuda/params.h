@@ -65,6 +65,12 @@ enum Flags : int64_t {
 // Sentinel for an unbounded side of the attention window.
 constexpr int64_t kUnbounded = -1;
 
+// The CUDA kernels hold positions in 32-bit integers: T and S below 2^28, and the
+// diagonal offset inside (-2^28, 2^28), keep every sum of a position, the offset and a
+// window side inside an int (cuda/gpu/primitives/positions.h). jaxflash/kernels.py
+// refuses longer sequences when it lowers for CUDA, naming the argument.
+constexpr int64_t kCudaMaxSeqLen = int64_t{1} << 28;
+
 struct AttentionParams {
   DType dtype = DType::kF32;       // q, k, v, o, d_o, dq, dk, dv
   DType bias_dtype = DType::kF32;  // bias and dbias: dtype or float32

@@ -48,6 +48,10 @@ SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
 # kMaxInstanceDims. Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8
 
+# kCudaMaxSeqLen: the CUDA kernels' positions are 32-bit, so T, S and |diagonal| stay below it
+# (kernels.py checks when it lowers for CUDA).
+CUDA_MAX_SEQLEN = 2**28
+
 # The kernel primitives' operands and results, in the order the FFI handlers bind them.
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed")
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")

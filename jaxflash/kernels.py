@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflash import __version__, native
 from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, DTYPE_CODES, FORWARD_INPUTS,
-                               FORWARD_RESULTS, Flag, KernelConfig)
+                               CUDA_MAX_SEQLEN, FORWARD_RESULTS, Flag, KernelConfig)
 from jaxflash.layout import insert_axis, lse_layout, shape_of
 
 _native = native.load(__version__)
@@ -152,12 +152,27 @@ def _lowering(target: str):
   return rule
 
 
+def _check_cuda_positions(config: KernelConfig) -> None:
+  """The CUDA kernels hold positions in 32 bits (contract.CUDA_MAX_SEQLEN): a longer sequence
+  is refused here, when the call is lowered for a GPU, rather than by the kernel at run time."""
+  T, S, _ = config.seq_dims
+  for what, n in (("query sequence length (query.shape[-3])", T),
+                  ("key/value sequence length (key.shape[-3])", S),
+                  ("ring attention's block offset", abs(config.diagonal))):
+    if n >= CUDA_MAX_SEQLEN:
+      raise ValueError(
+          f"jaxflash.attention: the {what} is {n}; the CUDA kernels take fewer than "
+          f"2**28 = {CUDA_MAX_SEQLEN} positions. Shard the sequence over devices (each then "
+          f"holds a shorter block), or run the call on the CPU.")
+
+
 def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
   """Like _lowering, except that an operand or result whose feature axis is not minor-most
   (vmapped on an axis after the head dim) is given a physical layout with it minor-most, and
   its strides follow that layout: XLA then transposes it around the call, on CUDA only and
   only in that case (the batching rules stay copy-free on every platform)."""
   def rule(ctx, *args, config):
+    _check_cuda_positions(config)
     orders = config.col_minor_orders()
     if not orders:
       return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())

@@ -143,3 +143,22 @@ def test_lowering_for_a_platform_without_kernels_says_how_to_build_them():
   traced = jax.jit(lambda q: jaxflash.attention(q, q, q)).trace(q)
   with pytest.raises(NotImplementedError, match=r"no CUDA kernels.*JAXFLASH_CUDA=ON"):
     traced.lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.skipif("cuda" not in jaxflash.backends(), reason="this build has no CUDA kernels")
+@pytest.mark.parametrize("which", ["query", "key"])
+def test_sequences_beyond_the_cuda_kernels_positions_raise_when_lowered_for_a_gpu(which):
+  """The CUDA kernels hold positions in 32 bits (fewer than 2**28 of them): a longer sequence is
+  refused when the call is lowered for a GPU, naming the sequence and the limit, not by the
+  kernel at run time. Shapes only (nothing of 2**28 rows is allocated); 2**28 - 1 lowers."""
+  def lower(t, s):
+    q = jax.ShapeDtypeStruct((1, t, 1, 8), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, s, 1, 8), jnp.bfloat16)
+    traced = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v)).trace(q, kv, kv)
+    return traced.lower(lowering_platforms=("cuda",))
+
+  too_long = dict(query=(2**28, 5), key=(5, 2**28))[which]
+  with pytest.raises(ValueError, match=rf"{which}.* sequence length .* is {2**28}; the CUDA kernels "
+                                       r"take fewer than 2\*\*28"):
+    lower(*too_long)
+  lower(*dict(query=(2**28 - 1, 5), key=(5, 2**28 - 1))[which])

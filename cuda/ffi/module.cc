@@ -46,6 +46,7 @@ nb::dict contract() {
   result["slots"] = nb::tuple(slots);
   result["max_instance_dims"] = kMaxInstanceDims;
   result["unbounded"] = kUnbounded;
+  result["cuda_max_seqlen"] = kCudaMaxSeqLen;
   return result;
 }
 

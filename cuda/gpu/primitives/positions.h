@@ -10,11 +10,12 @@
 
 namespace jaxflash::gpu {
 
-// launch_forward refuses T or S >= 2^28. Then |t|, |s|, |offset| < 2^28 and
-// |s - t - offset| < 3 * 2^28 < 2^30, so a window side of 2^30 excludes nothing
-// (it stands for kUnbounded and for anything wider), and every sum below of
-// a position, the offset and a window side stays inside an int.
-constexpr int64_t kMaxSeqLen = int64_t{1} << 28;
+// launch_forward refuses T or S >= 2^28 (params.h's kCudaMaxSeqLen). Then |t|,
+// |s|, |offset| < 2^28 and |s - t - offset| < 3 * 2^28 < 2^30, so a window side
+// of 2^30 excludes nothing (it stands for kUnbounded and for anything wider),
+// and every sum below of a position, the offset and a window side stays inside
+// an int.
+constexpr int64_t kMaxSeqLen = kCudaMaxSeqLen;
 constexpr int kOpenSide = 1 << 30;
 
 // Key s is visible from query t iff t < q_len, s < kv_len and
