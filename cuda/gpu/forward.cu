@@ -79,21 +79,21 @@ bool encode_tma_operand(FwdTmaOperand& out, const AttentionParams& p, const Arra
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Whether the sm_90 kernel runs this case (tile_size.h's fwd_sm90_covers, the
-// fast variant's conditions but for dropout, a device that runs sm_90a code, enough shared
-// memory), and its descriptors if so. JAXFLASH_FWD_NO_SM90 (defined for every
-// translation unit) keeps the mma.sync kernels, to test them on a Hopper GPU.
+// JAXFLASH_FWD_NO_SM90 (defined for every translation unit) keeps the mma.sync
+// kernels, to test them on a Hopper GPU.
 #ifdef JAXFLASH_FWD_NO_SM90
 constexpr bool kNoSm90 = true;
 #else
 constexpr bool kNoSm90 = false;
 #endif
 
+// Whether the sm_90 kernel runs this case (tile_size.h's fwd_sm90_covers, the
+// fast variants' conditions, dropout allowed: the kernel has a copy with it; a
+// device that runs sm_90a code, enough shared memory), and its descriptors if so.
 cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   rt.sm90 = false;
-  // The fast variant's conditions, dropout allowed (the sm_90 kernel has a copy with it).
-  const bool fast = !p.has(kHasBias) && !p.has(kHasMask) && !rt.fold_scale && rt.q_vec && rt.k_vec && rt.v_vec;
-  if (kNoSm90 || !fast || !fwd_sm90_covers(dtype_bytes(p.dtype), static_cast<int>(p.head_dim))) return cudaSuccess;
+  if (kNoSm90 || !fwd_fast_case(p, rt) || !fwd_sm90_covers(dtype_bytes(p.dtype), static_cast<int>(p.head_dim)))
+    return cudaSuccess;
   bool runs = false;
   if (const cudaError_t err = runs_sm90a_code(device, &runs); err != cudaSuccess || !runs) return err;
   int smem_limit = 0;

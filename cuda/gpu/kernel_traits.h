@@ -10,6 +10,7 @@
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
 #include "tile_size.h"
+#include "../params.h"
 
 namespace jaxflash::gpu {
 
@@ -101,5 +102,13 @@ struct FwdRuntime {
   bool sm90;
   FwdTmaOperand tma_q, tma_k, tma_v;
 };
+
+// The fast variants' conditions that hold for any head dim: no bias or mask,
+// scale > 0 (not folded), rows of q, k and v 16-byte aligned. The mma.sync fast
+// variant also wants no dropout and head_dim == D (fwd_launch.h); the sm_90
+// kernel has a dropout copy (forward.cu).
+inline bool fwd_fast_case(const AttentionParams& p, const FwdRuntime& rt) {
+  return !p.has(kHasBias) && !p.has(kHasMask) && !rt.fold_scale && rt.q_vec && rt.k_vec && rt.v_vec;
+}
 
 }  // namespace jaxflash::gpu
