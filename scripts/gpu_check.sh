@@ -78,11 +78,14 @@ fi
 # From outside the source tree, so that the installed package is imported.
 cd /tmp
 if want tests quick; then
-  # -rf names every failure in the summary, --tb=line keeps each to one line, and
-  # -v puts each result (with its test id) in the log as it happens, so a run cut
-  # short still says which cases failed.
-  step pytest pytest.log 420 python3 -m pytest -v -rf --tb=line -n 12 -p no:cacheprovider --durations=15 \
-    -k cuda "$REPO/tests"
+  # -rfxX names every failure and known failure (and those that passed) in the
+  # summary, --tb=line keeps each to one line, and -v puts each result (with its
+  # test id) in the log as it happens, so a run cut short still says which cases failed.
+  step pytest pytest.log 420 python3 -m pytest -v -rfxX --tb=line -n 12 -p no:cacheprovider --durations=15 \
+    -k cuda -m "not big_memory" "$REPO/tests"
+  # The tests of tens of GiB each, one at a time, with the GPU to themselves.
+  step pytest_big pytest_big.log 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m pytest -v -rfsxX --tb=short -p no:cacheprovider --durations=5 \
+    -k cuda -m big_memory "$REPO/tests"
 fi
 
 if want bench; then
@@ -112,7 +115,7 @@ echo
 echo "==================== summary ($MODE) ===================="
 cat "$OUT/device.txt"
 for k in "${!STATUS[@]}"; do printf '%-14s %s\n' "$k" "${STATUS[$k]}"; done
-[ -f "$OUT/pytest.log" ] && grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
+for f in pytest pytest_big; do [ -f "$OUT/$f.log" ] && grep -E "passed|failed" "$OUT/$f.log" | tail -n 1; done
 [ -f "$OUT/sharding.log" ] && grep -E "passed|failed" "$OUT/sharding.log" | tail -n 1
 for f in "$OUT"/*selftest.log; do [ -f "$f" ] && printf '%-18s %s\n' "$(basename "$f" .log)" "$(grep -E "passed, .* failed" "$f")"; done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log 2>/dev/null

@@ -47,6 +47,8 @@ BACKENDS = ("cpu", "cuda")
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: runs on the CUDA backend (needs a GPU and a CUDA build)")
+  config.addinivalue_line("markers", "big_memory: allocates tens of GiB of device memory (run alone: "
+                          "scripts/gpu_check.sh runs these after the parallel suite)")
 
 
 def _gpu_devices():

@@ -17,9 +17,10 @@
 //          (with dropout, bwd_scores.h's algebra: P^T o Z^T, c Z^T o dP^T)
 //          lse2 is the lse's hi alone: its lo (params.h) is below what 16 bits
 //          resolve in P (bwd_scores.h), and where it would show (logits beyond
-//          ~6e3), this kernel's S^T, summed by wgmma in another order than the
-//          forward's mma.sync S, is off by more (test_numerics' large logits:
-//          fp16 on Hopper is a known failure). Subtracting lo cost 2-3.5% here.
+//          ~6e3), this kernel's S^T = K Q^T does not round as the forward's
+//          S = Q K^T does, which moves P more (test_numerics' large logits:
+//          fp16 on Hopper is a known failure, with lo subtracted too).
+//          Subtracting lo cost 2-3.5% here.
 //   dV_g += P^T dO,   dK_g += dS^T Q           RS, B MN-major (64 x D)
 //   dS^T -> shared memory; barrier
 //   dQ  (its 16 x 64 blocks) = dS K            SS, both MN-major
