@@ -2,10 +2,11 @@
 
 batch × seqlen = --tokens (16k), hidden 2048 (heads = 2048 / head dim), random
 inputs; TFLOP/s of jaxflash, jax.nn's cuDNN path (GPU only) and jax.nn's XLA
-path, timed in one process, with jaxflash's ratio to cuDNN. FLOPs: forward
-4·B·H·N²·D, halved when causal; fwd+bwd 3.5× the forward (attention_flops,
-which every jaxflash benchmark counts with). Memory is the
-compiled program's footprint (XLA's buffer assignment). Last, the longest single
+path, timed in one process (calls issued back to back: run_seconds), with
+jaxflash's ratio to cuDNN. FLOPs: forward 4·B·H·N²·D, halved when causal;
+fwd+bwd 3.5× the forward (attention_flops, which every jaxflash benchmark
+counts with). Memory is the compiled program's footprint (XLA's buffer
+assignment). Last, the longest single
 sequence (16 heads × 128, bf16) each path runs fwd+bwd.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import statistics
 import sys
 import time
@@ -34,18 +36,29 @@ def attention_flops(batch: int, seqlen: int, heads: int, head_dim: int, *, causa
 
 
 def run_seconds(fn, args, repeats: int) -> list[float]:
-  """Wall times of `repeats` synchronised calls fn(*args), after one warm-up call (compile)."""
+  """Per-call wall times of fn(*args) after one warm-up call (compile): `repeats` samples, each
+  the time of `calls` calls issued back to back and synchronised once, divided by `calls`.
+  Synchronising every call would add the host's dispatch and wait (tens of µs) to each, a
+  tenth of a short GPU call, and draw every path's ratios towards 1; issued together the calls
+  queue on the device, which then times its own work, as CUDA events would. `calls` makes a
+  sample last about 10 ms (at most 100 calls; 1 for calls longer than that)."""
   jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  single = time.perf_counter() - start
+  calls = max(1, min(100, math.ceil(0.01 / max(single, 1e-6))))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
+    for _ in range(calls - 1):
+      fn(*args)
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    times.append((time.perf_counter() - start) / calls)
   return times
 
 
 def median_seconds(fn, args, repeats: int) -> float:
-  """Median wall time of fn(*args) after one warm-up call (compile), synchronised."""
+  """Median per-call wall time of fn(*args) (run_seconds)."""
   return statistics.median(run_seconds(fn, args, repeats))
 
 
