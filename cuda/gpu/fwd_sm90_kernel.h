@@ -13,6 +13,8 @@
 // warps' m16 fragment: wgmma's accumulator layout is mma.sync's.
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 
 #include "fwd_epilogue.h"
@@ -45,13 +47,21 @@ struct FwdSm90Config {
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  // Registers per thread after setmaxnreg: the producer keeps 24 and the
-  // consumers share the rest of the SM's 65536 in multiples of 8 (two: 240,
-  // three: 160); the launch allocates 65536 / kThreads each.
+  // Registers per thread after setmaxnreg. The launch allocates kLaunchRegs
+  // to every thread (__launch_bounds__: 65536 / kThreads in multiples of 8),
+  // and setmaxnreg only moves them between warpgroups: a consumer's increase
+  // waits until the producer's decrease has freed enough of the CTA's pool,
+  // so the two must balance (a producer kept at 32 beside two consumers of
+  // 240 hung the H100). The producer keeps 24; the consumers take the rest,
+  // at most 240: two get 240, three 160.
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / kConsumerThreads / 8 * 8 > 240
-                                           ? 240
-                                           : (65536 - 128 * kProducerRegs) / kConsumerThreads / 8 * 8;
+  static constexpr int kConsumerRegs =
+      std::min(240, (kLaunchRegs * kThreads - 128 * kProducerRegs) / kConsumerThreads / 8 * 8);
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
+                "setmaxnreg cannot give out more registers than the launch allocated");
+  static_assert(kConsumers != 2 || kConsumerRegs == 240, "the shape tile_size.h measured");
+  static_assert(kConsumers != 3 || kConsumerRegs == 160, "the shape tile_size.h measured");
   using QTile = GmmaTile<T, kBlockM, D>;  // Q, then O on its way out
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
