@@ -102,8 +102,8 @@ struct AttentionParams {
   float keep_scale = 1.f;
 
   // Logit soft-cap (0: none): the logits are cap * tanh(scale * q.k / cap), before the bias
-  // is added and the masks apply (FlashAttention's order). CPU kernels only so far; the CUDA
-  // handlers refuse it (jaxflash/kernels.py refuses it first, when it lowers for CUDA).
+  // is added and the masks apply (FlashAttention's order). The CUDA kernels run it in their
+  // general variants (mma.sync; not the sm_90 ones yet).
   float softcap = 0.f;
 
   // Forward operands and results.

@@ -148,8 +148,9 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   FwdRuntime rt;
   rt.score_mul = p.scale * kLog2e;
   // The unfolded path takes the running max of raw scores, which commutes
-  // with the scaling only for scale > 0.
-  rt.fold_scale = has_bias || !(p.scale > 0.f);
+  // with the scaling only for scale > 0 (and with no soft-cap between them).
+  rt.fold_scale = has_bias || !(p.scale > 0.f) || p.softcap > 0.f;
+  rt.softcap2 = p.softcap * kLog2e;
   rt.exp_scale = rt.fold_scale ? 1.f : rt.score_mul;
   rt.p_shift = p.dtype == DType::kF16 ? 0.f : probability_shift(p.seqlen_k);
   rt.out_scale = p.has(kDropout) ? p.keep_scale : 1.f;
