@@ -101,6 +101,11 @@ struct AttentionParams {
   uint32_t keep_threshold = 0;
   float keep_scale = 1.f;
 
+  // Logit soft-cap (0: none): the logits are cap * tanh(scale * q.k / cap), before the bias
+  // is added and the masks apply (FlashAttention's order). CPU kernels only so far; the CUDA
+  // handlers refuse it (jaxflash/kernels.py refuses it first, when it lowers for CUDA).
+  float softcap = 0.f;
+
   // Forward operands and results.
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
   ArrayView seed;                                  // uint32: the dropout seed of each instance

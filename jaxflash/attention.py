@@ -31,7 +31,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
               implementation: None = None, return_residual: bool = False,
               mask_alignment: Literal["top_left", "bottom_right"] = "top_left",
               precision: str | jax.lax.Precision | None = None, dropout_rate: float = 0.0,
-              dropout_rng: jax.Array | None = None, broadcast_dropout: bool = False):
+              dropout_rng: jax.Array | None = None, broadcast_dropout: bool = False,
+              logits_soft_cap: float | None = None):
   r"""Scaled dot-product attention, computed by jaxflash's FlashAttention kernels.
 
   Same arguments, shapes and semantics as :func:`jax.nn.dot_product_attention`:
@@ -80,6 +81,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       returns it.
     broadcast_dropout: one mask for every batch item and head (Flax's
       ``broadcast_dropout=True``) rather than one per (batch item, head).
+    logits_soft_cap: ``cap``, a Python float > 0, or None: the scaled logits
+      become ``cap * tanh(scale * q·k / cap)`` before the bias is added and the
+      masks apply (Gemma 2's soft-capping; FlashAttention's ``softcap``,
+      tokamax's ``logits_soft_cap``). CPU kernels only for now: a call lowered
+      for a GPU raises NotImplementedError.
 
   Returns:
     The attention output, shaped like ``query``; with ``return_residual``, a
@@ -87,8 +93,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
 
   Differences from jax.nn.dot_product_attention: a query row that sees no key
   outputs 0 and has logsumexp ``-inf`` (jax.nn averages V there); the returned
-  logsumexp is differentiable (jax.nn stops its gradient); dropout, which
-  jax.nn does not have.
+  logsumexp is differentiable (jax.nn stops its gradient); dropout and the
+  logit soft-cap, which jax.nn does not have.
   """
   call = validate(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                   query_seq_lengths=query_seq_lengths,
@@ -96,7 +102,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
                   local_window_size=local_window_size, implementation=implementation,
                   return_residual=return_residual, mask_alignment=mask_alignment,
                   precision=precision, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                  broadcast_dropout=broadcast_dropout)
+                  broadcast_dropout=broadcast_dropout, logits_soft_cap=logits_soft_cap)
   if call.is_empty:
     out = jnp.zeros(call.q.shape, call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
@@ -233,7 +239,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale: float | None = None,
                    is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
                    order: Literal["contiguous", "zigzag"] = "contiguous",
-                   precision: str | jax.lax.Precision | None = None, return_residual: bool = False):
+                   precision: str | jax.lax.Precision | None = None, return_residual: bool = False,
+                   logits_soft_cap: float | None = None):
   """Attention over a sequence sharded along the mesh axis ``axis_name``, for use inside
   :func:`jax.shard_map`: ring attention (K/V blocks travel round the devices of the axis by
   collective permutes; each device merges its queries' partial results by their logsumexp).
@@ -251,7 +258,7 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale
 
   ``local_window_size`` is :func:`attention`'s, in positions of the whole sequence (query and
   key blocks of equal length, the contiguous order); the ring then runs only as far as the
-  window reaches.
+  window reaches. ``scale``, ``precision`` and ``logits_soft_cap`` are :func:`attention`'s.
 
   Returns this device's block of the output (and, with ``return_residual``, of the logsumexp).
   Differentiable (the backward is a ring too). Bias, mask, sequence lengths and dropout are not
@@ -260,7 +267,7 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale
   """
   call = validate_ring(query, key, value, axis_name=axis_name, scale=scale, is_causal=is_causal,
                        local_window_size=local_window_size, order=order, precision=precision,
-                       return_residual=return_residual)
+                       return_residual=return_residual, logits_soft_cap=logits_soft_cap)
   ring = ring_lib.Ring(call.config, axis_name, order)
   if call.is_empty:
     out = jnp.zeros(call.q.shape, call.q.dtype)

@@ -102,7 +102,8 @@ class KernelConfig:
   an open side; is_causal is a right window of 0. ``diagonal`` shifts the
   window's diagonal: query block row t sits ``diagonal`` positions after key
   block row t (ring attention's blocks of one sequence). ``keep_threshold`` and
-  ``keep_scale`` are the dropout's (with Flag.DROPOUT; jaxflash/dropout.py).
+  ``keep_scale`` are the dropout's (with Flag.DROPOUT; jaxflash/dropout.py). ``softcap``
+  is logits_soft_cap (0: none).
   """
   instance_sizes: tuple[int, ...]
   layouts: tuple[tuple[str, Layout], ...]
@@ -113,6 +114,7 @@ class KernelConfig:
   keep_threshold: int = 0
   keep_scale: float = 1.0
   diagonal: int = 0
+  softcap: float = 0.0  # logits_soft_cap, 0 for none
 
   def layout(self, slot: str) -> Layout | None:
     return dict(self.layouts).get(slot)
@@ -148,4 +150,4 @@ class KernelConfig:
                 window_left=np.int64(self.window[0]), window_right=np.int64(self.window[1]),
                 diagonal_offset=np.int64(self.diagonal),
                 flags=np.int64(self.flags), keep_threshold=np.int64(self.keep_threshold),
-                keep_scale=np.float32(self.keep_scale))
+                keep_scale=np.float32(self.keep_scale), softcap=np.float32(self.softcap))

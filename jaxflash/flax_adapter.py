@@ -77,7 +77,7 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
                    dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
                    dtype=None, precision=None, module=None, is_causal: bool = False,
                    force_fp32_for_softmax: bool = False, qk_attn_weights_einsum=None,
-                   attn_weights_value_einsum=None):
+                   attn_weights_value_einsum=None, logits_soft_cap: float | None = None):
   """Attention in Flax's ``attention_fn`` convention, computed by jaxflash's kernels.
 
   Use it as ``nnx.MultiHeadAttention(..., attention_fn=jaxflash.flax_attention)`` or
@@ -103,6 +103,8 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     force_fp32_for_softmax: accepted; jaxflash's softmax is always float32.
     qk_attn_weights_einsum, attn_weights_value_einsum: custom einsums (AQT) cannot run inside
       the kernels: anything but None raises.
+    logits_soft_cap: :func:`jaxflash.attention`'s (not a Flax argument: bind it with
+      ``functools.partial(jaxflash.flax_attention, logits_soft_cap=50.0)``).
 
   Returns:
     ``(batch..., T, N, H)`` in the query's dtype (``dtype`` when given).
@@ -132,16 +134,18 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     mask = jnp.asarray(mask)
     mask = mask if mask.dtype == jnp.bool_ else mask != 0
     mask = _merge_batch(mask, batch_shape, "mask") if mask.ndim > 3 else mask
-  dropout = {}
+  options = dict(precision=_precision_name(precision), logits_soft_cap=logits_soft_cap)
   if dropout_rate > 0.0 and not deterministic:
-    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+    options.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=bool(broadcast_dropout))
-  out = _attend(q, k, v, bias, mask, is_causal, _precision_name(precision), dropout)
+  out = _attend(q, k, v, bias, mask, is_causal, options)
   return out.reshape(query.shape)
 
 
-def _attend(q, k, v, bias, mask, is_causal, precision, dropout):
-  call = lambda **kwargs: attention(q, k, v, bias, precision=precision, **dropout, **kwargs)
+def _attend(q, k, v, bias, mask, is_causal, options):
+  """attention() with `options` (precision, soft-cap, dropout), the mask run as causal and
+  lengths where it has that structure."""
+  call = lambda **kwargs: attention(q, k, v, bias, **options, **kwargs)
   if mask is None:
     return call(is_causal=is_causal)
   b, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]

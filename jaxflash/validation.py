@@ -55,7 +55,8 @@ def _as_array(x, name: str) -> jax.Array:
 def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=False,
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
              implementation=None, return_residual=False, mask_alignment="top_left",
-             precision=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False) -> Call:
+             precision=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
+             logits_soft_cap=None) -> Call:
   """jaxflash.attention's arguments (the defaults are its own) checked and turned into a Call.
   Raises TypeError or ValueError naming the argument, what was given and what is allowed."""
   if implementation is not None:
@@ -179,6 +180,7 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
 
   window = _window(local_window_size, is_causal)
   scale = _scale(scale, H)
+  softcap = _soft_cap(logits_soft_cap)
 
   flags = Flag.BOTTOM_RIGHT if mask_alignment == "bottom_right" else Flag(0)
   if exact_f32 and q.dtype == jnp.float32:
@@ -210,17 +212,17 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
       flags |= Flag.DROPOUT
   config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
                         seq_dims=(T, S, H), scale=scale, window=window, flags=flags,
-                        keep_threshold=keep_threshold, keep_scale=keep_scale)
+                        keep_threshold=keep_threshold, keep_scale=keep_scale, softcap=softcap)
   return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, config, is_empty)
 
 
 def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_window_size, order,
-                  precision, return_residual) -> Call:
+                  precision, return_residual, logits_soft_cap) -> Call:
   """jaxflash.ring_attention's arguments: those it shares with jaxflash.attention (checked as
   there), then the ring's own; also refuses what ring attention cannot compute."""
   call = validate(query, key, value, scale=scale, is_causal=is_causal,
                   local_window_size=local_window_size, precision=precision,
-                  return_residual=return_residual)
+                  return_residual=return_residual, logits_soft_cap=logits_soft_cap)
   if order not in ("contiguous", "zigzag"):
     raise ValueError(f"jaxflash.ring_attention: order must be 'contiguous' or 'zigzag', got "
                      f"{order!r}")
@@ -359,6 +361,24 @@ def _exact_f32(precision) -> bool:
                    f"jax.lax.DotAlgorithmPreset or one of the names "
                    f"{', '.join(map(repr, _PRECISION_NAMES))} (or a preset's name), got "
                    f"{precision!r}")
+
+
+def _soft_cap(logits_soft_cap) -> float:
+  """logits_soft_cap as the kernels' float (0 for None)."""
+  if logits_soft_cap is None:
+    return 0.0
+  if isinstance(logits_soft_cap, (bool, str, bytes)):
+    raise TypeError(f"jaxflash.attention: logits_soft_cap must be None or a Python float, got "
+                    f"{logits_soft_cap!r}")
+  try:
+    cap = float(logits_soft_cap)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(f"jaxflash.attention: logits_soft_cap must be None or a Python float (a "
+                    f"static value, not a traced array), got {logits_soft_cap!r}") from e
+  if not (np.isfinite(cap) and cap > 0.0):
+    raise ValueError(f"jaxflash.attention: logits_soft_cap must be a finite float > 0 (or None "
+                     f"for no cap), got {logits_soft_cap!r}")
+  return cap
 
 
 def _scale(scale, head_dim: int) -> float:

@@ -301,15 +301,17 @@ def _einsum(spec, a, b, *, tf32=False, **kwargs):
 # Reference and baseline
 # --------------------------------------------------------------------------------------------
 
-def _logits(q4, k4, bias4, scale, precision, tf32=False):
+def _logits(q4, k4, bias4, scale, precision, tf32=False, softcap=None):
   """float32 (B, N, T, S) logits = scale * q.k + bias, with head n reading kv head n // G as in
-  jax.nn (N is split as (K, G))."""
+  jax.nn (N is split as (K, G)); with a soft-cap, cap * tanh(scale * q.k / cap) + bias."""
   B, T, N, H = q4.shape
   S, K = k4.shape[1], k4.shape[2]
   grouped = jnp.reshape(q4, (B, T, K, N // K, H))
   logits = _einsum("btkgh,bskh->bkgts", grouped, k4, tf32=tf32, precision=precision,
                    preferred_element_type=jnp.float32)
   logits = jnp.reshape(logits, (B, N, T, S)) * jnp.float32(scale)
+  if softcap:
+    logits = jnp.float32(softcap) * jnp.tanh(logits / jnp.float32(softcap))
   if bias4 is not None:
     logits = logits + bias4.astype(jnp.float32)
   return logits
@@ -326,7 +328,8 @@ def _masked_logsumexp(logits, visible):
   return jnp.where(row_visible, lse, -jnp.inf)
 
 
-def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False, dropout4=None):
+def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False, dropout4=None,
+                       softcap=None):
   """jax.nn's XLA path (_dot_product_attention_core) restated for the input dtype: float32
   logits from input-dtype operands, masked with jax.nn's large negative, float32 softmax, P cast
   to the value dtype, PV in the value dtype. With `tf32`, both matmuls (and their transposes in
@@ -339,10 +342,12 @@ def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False, dropout4=N
   equals jax.nn where both run.
 
   dropout4: None, or the float32 (B|1, N|1, T, S) multiplier keep / (1 - rate) applied to the
-  float32 probabilities (as Flax applies its dropout to the attention weights)."""
+  float32 probabilities (as Flax applies its dropout to the attention weights).
+  softcap: None, or the logit soft-cap, applied to the float32 logits (as a model that caps
+  them in jnp before its softmax does)."""
   B, T, N, H = q4.shape
   S, K = k4.shape[1], k4.shape[2]
-  logits = _logits(q4, k4, bias4, scale, None, tf32)
+  logits = _logits(q4, k4, bias4, scale, None, tf32, softcap)
   large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
   probs = jax.nn.softmax(jnp.where(visible, logits, large_negative), axis=-1)
   if dropout4 is not None:
@@ -357,21 +362,23 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                return_residual=False, mask_alignment="top_left", compute_dtype=None,
                precision=None, use_jax_nn=True, tf32=False, dropout_rate=0.0, dropout_rng=None,
-               broadcast_dropout=False):
+               broadcast_dropout=False, logits_soft_cap=None):
   """jax.nn.dot_product_attention's semantics with jaxflash's conventions (module docstring).
 
   compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
   precision: a jax.default_matmul_precision name, or None for the default.
   use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated (always, with
-    dropout, which jax.nn does not have).
+    dropout or a soft-cap, which jax.nn does not have).
   tf32: round every matmul operand to tf32 (only with use_jax_nn=False).
-  dropout_rate, dropout_rng, broadcast_dropout: jaxflash.attention's.
+  dropout_rate, dropout_rng, broadcast_dropout, logits_soft_cap: jaxflash.attention's.
   """
   assert not (tf32 and use_jax_nn), "tf32 applies to the restated path"
   in_dtype = query.dtype
   if compute_dtype is not None:
     query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
     bias = None if bias is None else bias.astype(compute_dtype)
+  if logits_soft_cap is not None:
+    use_jax_nn = False
   dropout4 = None
   if dropout_rate > 0.0:
     use_jax_nn = False
@@ -391,7 +398,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                        else contextlib.nullcontext())
   with precision_context:
     if not use_jax_nn:
-      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32, dropout4)
+      out = _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32, dropout4, logits_soft_cap)
     else:
       if mask_alignment == "bottom_right":
         # jax.nn only knows top-left diagonals: hand it the complete visibility as a mask.
@@ -409,7 +416,8 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
     if not return_residual:
       return out
     lax_precision = jax.lax.Precision.HIGHEST if precision == "highest" else None
-    lse = _masked_logsumexp(_logits(q4, k4, bias4, scale, lax_precision, tf32), visible)
+    lse = _masked_logsumexp(_logits(q4, k4, bias4, scale, lax_precision, tf32, logits_soft_cap),
+                            visible)
     # jaxflash returns the lse in the query dtype; the reference keeps float32 (its best
     # answer), the baseline rounds to the input dtype like jax.nn does.
     lse = jnp.transpose(lse, (0, 2, 1))

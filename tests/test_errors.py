@@ -82,6 +82,12 @@ ERROR_CASES = {
     "scale_not_a_number": (dict(scale="large"), r"scale", [r"large"]),
     "precision_unknown_name": (dict(precision="fp64"), r"precision", [r"fp64", r"highest"]),
     "precision_not_a_name": (dict(precision=3), r"precision", [r"\b3\b"]),
+    "soft_cap_zero": (dict(logits_soft_cap=0.0), r"logits_soft_cap", [r"0\.0", r"> 0"]),
+    "soft_cap_negative": (dict(logits_soft_cap=-30.0), r"logits_soft_cap", [r"-30"]),
+    "soft_cap_nan": (dict(logits_soft_cap=float("nan")), r"logits_soft_cap", [r"nan"]),
+    "soft_cap_inf": (dict(logits_soft_cap=float("inf")), r"logits_soft_cap", [r"inf"]),
+    "soft_cap_bool": (dict(logits_soft_cap=True), r"logits_soft_cap", [r"True"]),
+    "soft_cap_string": (dict(logits_soft_cap="30"), r"logits_soft_cap", [r"'30'"]),
 }
 
 

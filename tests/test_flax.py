@@ -14,8 +14,11 @@ tf32 matmuls (reference.baseline_attention) as its attention_fn.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import linen, nnx
 
@@ -245,6 +248,26 @@ def test_flax_attention_passes_dropout_to_the_kernels(masking, broadcast, device
     off = jaxflash.flax_attention(q, k, v, mask=mask, dropout_rng=rng, dropout_rate=rate,
                                   deterministic=deterministic)
     assert jnp.array_equal(off, jaxflash.attention(q, k, v, mask=dense))
+
+
+@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+def test_flax_attention_passes_the_soft_cap(masking, backend, device):
+  """logits_soft_cap, bound with functools.partial, is jaxflash.attention's whichever kernel
+  call the mask classification picks."""
+  if backend == "cuda":
+    pytest.skip("the CUDA kernels have no logit soft-cap yet (test_attention checks the refusal)")
+  inputs = reference.random_inputs(jax.random.key(5), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
+                                   "float32")
+  q, k, v = (jax.device_put(3 * x, device) for x in inputs.values())
+  mask = MASKINGS[masking](nnx)
+  capped = functools.partial(jaxflash.flax_attention, logits_soft_cap=2.0)
+  ours = jax.jit(lambda q, k, v: capped(q, k, v, mask=mask))(q, k, v)
+  dense = None if mask is None else mask.astype(jnp.bool_)
+  expected = jaxflash.attention(q, k, v, mask=dense, logits_soft_cap=2.0)
+  np.testing.assert_allclose(ours, expected, *reference.SAME_KERNEL_TOL["float32"])
+  assert not np.allclose(ours, jaxflash.attention(q, k, v, mask=dense), atol=1e-3)
 
 
 def test_nnx_module_trains_with_dropout(device):

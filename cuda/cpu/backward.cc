@@ -55,15 +55,17 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
   }
 }
 
-// From a Q tile and a K/V tile (kt, vt transposed): s ← P (P∘Z with dropout), dp ← dS.
+// From a Q tile and a K/V tile (kt, vt transposed): s ← P (P∘Z with dropout), dp ← dS of the
+// logits, and with a soft-cap cap_slope ← the logits' derivative in Q·Kᵀ (finish_logits):
+// dS of Q·Kᵀ is dS ∘ cap_slope (apply_cap_slope), dbias takes dS itself.
 template <class BiasT>
 void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& bounds,
                                const LogitsInputs<BiasT>& logits_in, const DropoutKey& dropout,
                                const QTile& tile, int64_t t0, int64_t s0, int64_t cols, const float* kt,
-                               const float* vt, float* s, float* dp) {
+                               const float* vt, float* s, float* dp, float* cap_slope) {
   const int64_t H = p.head_dim;
   matmul(tile.q.data(), tile.ld, kt, kBlockK, tile.rows, cols, H, s, kBlockK);
-  finish_logits(p, bounds, logits_in, t0, tile.rows, s0, cols, s, kBlockK);
+  finish_logits(p, bounds, logits_in, t0, tile.rows, s0, cols, s, kBlockK, cap_slope);
   matmul(tile.d_o.data(), tile.ld, vt, kBlockK, tile.rows, cols, H, dp, kBlockK);
   for (int64_t i = 0; i < tile.rows; ++i) {
     float* si = s + i * kBlockK;
@@ -88,6 +90,13 @@ void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& b
   }
 }
 
+// dS of the logits -> dS of Q·Kᵀ under a soft-cap (no-op without one).
+void apply_cap_slope(const AttentionParams& p, int64_t rows, int64_t cols, const float* cap_slope, float* ds) {
+  if (p.softcap == 0.f) return;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) ds[i * kBlockK + j] *= cap_slope[i * kBlockK + j];
+}
+
 // The instance axes (bits) along which an output is shared: stride 0, size > 1.
 uint32_t broadcast_axes(const AttentionParams& p, const ArrayView& out) {
   uint32_t bits = 0;
@@ -104,6 +113,7 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
   const int64_t cols = std::min(kBlockK, p.seqlen_k - s0);
   std::vector<float> kt(H * kBlockK), vt(H * kBlockK), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
   std::vector<float> dk(kBlockK * Hp, 0.f), dv(kBlockK * Hp, 0.f);
+  std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
   QTile tile(H);
 
   const int64_t reduced_count = split.count(true);
@@ -124,7 +134,8 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
     for (int64_t t0 = queries.lo; t0 < queries.hi; t0 += kBlockQ) {
       load_q_tile<T>(p, inst, t0, std::min(kBlockQ, queries.hi - t0), tile);
       probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, live_cols, kt.data(),
-                                vt.data(), s.data(), dp.data());
+                                vt.data(), s.data(), dp.data(), cap_slope.data());
+      apply_cap_slope(p, tile.rows, live_cols, cap_slope.data(), dp.data());
       matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hp, tile.rows, H, live_cols, dv.data(), Hp);
       matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), Hp, tile.rows, H, live_cols, dk.data(), Hp);
     }
@@ -156,6 +167,7 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
 
   std::vector<float> kt(H * kBlockK), vt(H * kBlockK), k(kBlockK * Hp);
   std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * Hp);
+  std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
   QTile tile(H);
 
   const int64_t reduced_count = split.count(true);
@@ -182,14 +194,16 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
           load_tile_transposed(v_base + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H,
                                vt.data(), kBlockK);
           probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, cols, kt.data(),
-                                    vt.data(), s.data(), ds.data());
-          matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
-          if (!want_dbias) continue;
-          for (int64_t i = 0; i < live_rows; ++i) {
-            float* row = dbias.data() + (dbias_one_row ? 0 : i) * dbias_cols;
-            const float* dsi = ds.data() + i * kBlockK;
-            for (int64_t j = 0; j < cols; ++j) row[dbias_one_col ? 0 : s0 + j] += dsi[j];
+                                    vt.data(), s.data(), ds.data(), cap_slope.data());
+          if (want_dbias) {
+            for (int64_t i = 0; i < live_rows; ++i) {
+              float* row = dbias.data() + (dbias_one_row ? 0 : i) * dbias_cols;
+              const float* dsi = ds.data() + i * kBlockK;
+              for (int64_t j = 0; j < cols; ++j) row[dbias_one_col ? 0 : s0 + j] += dsi[j];
+            }
           }
+          apply_cap_slope(p, live_rows, cols, cap_slope.data(), ds.data());
+          matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
         }
       }
       store_tile(dq.data(), Hp, rows, H, p.scale,

@@ -246,10 +246,23 @@ LogitsInputs<BiasT> logits_inputs(const AttentionParams& p, int64_t inst) {
 }
 
 // Turns S = (scale·log2e)·Q·Kᵀ for rows [t0, t0+rows) and keys [s0, s0+cols)
-// into base-2 logits: adds log2e·bias and sets invisible entries to -inf.
+// into base-2 logits: soft-caps them (params.h: c·tanh(S / c), c = log2e·cap in
+// these units), adds log2e·bias and sets invisible entries to -inf. cap_slope
+// (the backward's, with a soft-cap): receives d(capped)/dS = 1 - tanh^2, by which
+// the backward turns dS of the logits into dS of Q·Kᵀ.
 template <class BiasT>
 void finish_logits(const AttentionParams& p, const InstanceBounds& b, const LogitsInputs<BiasT>& in,
-                   int64_t t0, int64_t rows, int64_t s0, int64_t cols, float* s, int64_t ld) {
+                   int64_t t0, int64_t rows, int64_t s0, int64_t cols, float* s, int64_t ld,
+                   float* cap_slope = nullptr) {
+  if (p.softcap > 0.f) {
+    const float cap = kLog2e * p.softcap, inv_cap = 1.f / cap;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float t = std::tanh(s[i * ld + j] * inv_cap);
+        s[i * ld + j] = cap * t;
+        if (cap_slope) cap_slope[i * ld + j] = (1.f + t) * (1.f - t);  // as jax's tanh JVP
+      }
+  }
   if (in.bias) {
     for (int64_t i = 0; i < rows; ++i) {
       const BiasT* row = in.bias + (t0 + i) * p.bias.row_stride + s0 * p.bias.col_stride;

@@ -13,9 +13,11 @@
 //   flags                           bits of jaxflash::Flags
 //   keep_threshold                  dropout: keep iff bits < it, in [0, 2^32 - 1]
 //   keep_scale                      float32, dropout: 1 / (1 - rate)
+//   softcap                         float32, the logit soft-cap, 0 for none
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -43,7 +45,7 @@ struct LayoutAttrs {
   ffi::Span<const int64_t> instance_sizes, strides, dims;
   float scale;
   int64_t window_left, window_right, diagonal_offset, flags, keep_threshold;
-  float keep_scale;
+  float keep_scale, softcap;
 };
 
 inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
@@ -77,6 +79,9 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
     p.keep_threshold = static_cast<uint32_t>(a.keep_threshold);
     p.keep_scale = a.keep_scale;
   }
+  if (!(a.softcap >= 0.f) || a.softcap == std::numeric_limits<float>::infinity())
+    return ffi::Error::InvalidArgument("jaxflash: softcap must be 0 (none) or a finite float > 0");
+  p.softcap = a.softcap;
 
   ArrayView* views[kSlots] = {&p.q, &p.k,    &p.v,    &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.o,
                               &p.lse, &p.d_o, &p.delta, &p.dq,  &p.dk,   &p.dv,     &p.dbias, &p.seed};
@@ -274,4 +279,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxflash::LayoutAttrs,
                                       xla::ffi::StructMember<int64_t>("diagonal_offset"),
                                       xla::ffi::StructMember<int64_t>("flags"),
                                       xla::ffi::StructMember<int64_t>("keep_threshold"),
-                                      xla::ffi::StructMember<float>("keep_scale"));
+                                      xla::ffi::StructMember<float>("keep_scale"),
+                                      xla::ffi::StructMember<float>("softcap"));
