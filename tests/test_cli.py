@@ -190,3 +190,22 @@ def test_bench_writes_protocol_table(tmp_path):
   rows = [line for line in text.splitlines() if line.startswith("| bfloat16")]
   assert len(rows) == 2 * 2 * 2  # seqlens x causal x direction
   assert "jaxflash: 512" in text  # O(N) memory: the short search reaches its limit
+
+
+def test_bench_times_calls_issued_back_to_back(monkeypatch):
+  """run_seconds issues a sample's calls back to back and synchronises once: with a call that
+  takes 1 ms (the clock below) it makes ~10 ms samples of 10 calls, and reports per call."""
+  clock, calls, synced = [0.0], [], []
+  monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+  def fn(x):
+    clock[0] += 1e-3
+    calls.append(x)
+    return x
+
+  monkeypatch.setattr(bench.jax, "block_until_ready", lambda x: synced.append(len(calls)) or x)
+  times = bench.run_seconds(fn, (7,), repeats=3)
+  assert times == pytest.approx([1e-3] * 3)
+  # Warm-up and the single timed call, then 3 samples of 10: one synchronisation each.
+  assert len(calls) == 2 + 3 * 10
+  assert synced == [1, 2, 12, 22, 32]
