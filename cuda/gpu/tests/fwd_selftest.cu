@@ -9,6 +9,8 @@
 //         -DJAXFLASH_BUILD_SELFTESTS=ON && cmake --build /tmp/selftests --target fwd_selftest
 // Run: /tmp/selftests/fwd_selftest          correctness cases, exit status 0 iff all pass
 //      /tmp/selftests/fwd_selftest bench    also time bf16 forward at FlashAttention's benchmark shapes
+//                                            (and D = 256)
+//      /tmp/selftests/fwd_selftest bench-only [D N causal|full]   time only (one shape), no checks
 //      /tmp/selftests/fwd_selftest WORD     only the cases whose name contains WORD (e.g. under compute-sanitizer)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -255,11 +258,18 @@ bool run_case(const Case& c, std::mt19937& rng) {
   return ok;
 }
 
-void bench() {
+struct BenchFilter {
+  int head_dim = 0, seqlen = 0, causal = -1;  // 0 / -1: every value
+};
+
+void bench(const BenchFilter& only = {}) {
   std::printf("\nbf16 forward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
-  for (int H : {64, 128})
+  for (int H : {64, 128, 256})
     for (bool causal : {false, true})
       for (int L : {1024, 4096, 16384}) {
+        if ((only.head_dim && H != only.head_dim) || (only.seqlen && L != only.seqlen) ||
+            (only.causal >= 0 && int(causal) != only.causal))
+          continue;
         const int B = 16384 / L, N = 2048 / H;
         const size_t n = size_t(B) * L * N * H;
         DeviceBuffer q(2 * n), k(2 * n), v(2 * n), o(2 * n), lse(2 * 4 * size_t(B) * N * L);
@@ -304,6 +314,13 @@ void bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "bench-only") {
+    BenchFilter only;
+    if (argc > 4)
+      only = {std::atoi(argv[2]), std::atoi(argv[3]), std::string(argv[4]) == "causal" ? 1 : 0};
+    bench(only);
+    return 0;
+  }
   const DType f16 = DType::kF16, bf16 = DType::kBF16, f32 = DType::kF32;
   std::vector<Case> cases = {
       {"bf16 causal T113 S203 H64", bf16, 2, 3, 3, 113, 203, 64, kUnb, 0},

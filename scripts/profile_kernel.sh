@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build a CUDA self-test for sm_90a and time one direction's bf16 kernel at
+# FlashAttention's benchmark shapes (the forward also at D = 256); with a shape,
+# time only that one, and with `ncu` also profile one launch of its main kernel
+# (full section set; the report, its details page and a short summary in $OUT).
+#
+#   scripts/profile_kernel.sh fwd|bwd                      every benchmark shape
+#   scripts/profile_kernel.sh bwd 128 4096 full            one shape (D, N, causal|full)
+#   scripts/profile_kernel.sh fwd 128 4096 causal ncu      ... and its Nsight Compute profile
+set -euo pipefail
+DIRECTION=${1:?usage: $0 fwd|bwd [D N causal|full [ncu]]}
+shift
+case "$DIRECTION" in
+  fwd) KERNEL='regex:forward_(sm90_)?kernel' ;;
+  bwd) KERNEL='regex:backward_(sm90_)?kernel' ;;
+  *) echo "usage: $0 fwd|bwd [D N causal|full [ncu]]"; exit 2 ;;
+esac
+OUT=${OUT:-/tmp/jaxflash_out}
+BUILD=${BUILD:-/tmp/kernel_profile}  # EXTRA_FLAGS: more nvcc flags, e.g. -DJAXFLASH_BWD_NO_BULK
+mkdir -p "$OUT" "$BUILD"
+cd "$(dirname "$0")/.."
+# RelWithDebInfo: -lineinfo, so that Nsight Compute maps the profile to source lines.
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DJAXFLASH_CUDA=ON \
+  -DJAXFLASH_CUDA_ARCHITECTURES=90a -DJAXFLASH_BUILD_SELFTESTS=ON -DCMAKE_CUDA_FLAGS="${EXTRA_FLAGS:-}" >/dev/null
+cmake --build "$BUILD" -j 16 --target "${DIRECTION}_selftest"
+"$BUILD/${DIRECTION}_selftest" bench-only "${@:1:3}"
+if [ "${4:-}" = ncu ]; then
+  name="${DIRECTION}_$1_$2_$3"
+  ncu --set full -k "$KERNEL" -c 1 -o "$OUT/$name" -f "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" \
+    > /dev/null
+  ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt"
+  # The facts DESIGN.md quotes: throughput, tensor and MUFU pipes, occupancy, registers, stalls.
+  grep -E "Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc Active|Duration" \
+    "$OUT/$name.txt" | sed 's/  */ /g' | tee "$OUT/$name.summary.txt"
+  ncu --import "$OUT/$name.ncu-rep" --page raw --csv \
+    --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_wait,smsp__average_warp_latency_issue_stalled_math_pipe_throttle \
+    2>&1 | tee -a "$OUT/$name.summary.txt" || true
+fi
