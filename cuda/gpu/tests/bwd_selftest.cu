@@ -442,18 +442,12 @@ bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   return same;
 }
 
-struct BenchFilter {
-  int head_dim = 0, seqlen = 0, causal = -1;  // 0 / -1: every value
-};
-
 void bench(const BenchFilter& only) {
   std::printf("\nbf16 backward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
   for (int H : {64, 128})
     for (bool causal : {false, true})
       for (int L : {1024, 4096, 16384}) {
-        if ((only.head_dim && H != only.head_dim) || (only.seqlen && L != only.seqlen) ||
-            (only.causal >= 0 && int(causal) != only.causal))
-          continue;
+        if (only.skips(H, L, causal)) continue;
         const int B = 16384 / L, N = 2048 / H;
         const size_t n = size_t(B) * L * N * H;
         DeviceBuffer q(2 * n), k(2 * n), v(2 * n), d_o(2 * n), dq(2 * n), dk(2 * n), dv(2 * n);
@@ -507,10 +501,7 @@ void bench(const BenchFilter& only) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "bench-only") {
-    BenchFilter only;
-    if (argc > 4)
-      only = {std::atoi(argv[2]), std::atoi(argv[3]), std::string(argv[4]) == "causal" ? 1 : 0};
+  if (BenchFilter only; bench_only(argc, argv, &only)) {
     bench(only);
     return 0;
   }

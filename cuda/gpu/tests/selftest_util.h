@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "../../params.h"
@@ -104,6 +105,22 @@ void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int
   v.data = data;
   v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
   v.row_stride = row, v.col_stride = col;
+}
+
+// The bench's shapes to time: `bench-only [D N causal|full]` picks one; 0 / -1 mean every value.
+struct BenchFilter {
+  int head_dim = 0, seqlen = 0, causal = -1;
+
+  bool skips(int head_dim_, int seqlen_, bool causal_) const {
+    return (head_dim && head_dim_ != head_dim) || (seqlen && seqlen_ != seqlen) || (causal >= 0 && int(causal_) != causal);
+  }
+};
+
+// argv of `SELFTEST bench-only [D N causal|full]`: whether it is that mode, and the filter.
+inline bool bench_only(int argc, char** argv, BenchFilter* only) {
+  if (argc < 2 || std::string(argv[1]) != "bench-only") return false;
+  if (argc > 4) *only = {std::atoi(argv[2]), std::atoi(argv[3]), std::string(argv[4]) == "causal" ? 1 : 0};
+  return true;
 }
 
 }  // namespace
