@@ -14,7 +14,6 @@
 #pragma once
 
 #include <algorithm>
-
 #include <cstdint>
 
 #include "fwd_epilogue.h"

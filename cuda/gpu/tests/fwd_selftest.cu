@@ -23,7 +23,6 @@
 #include <functional>
 #include <memory>
 #include <random>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
