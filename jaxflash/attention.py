@@ -84,8 +84,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     logits_soft_cap: ``cap``, a Python float > 0, or None: the scaled logits
       become ``cap * tanh(scale * q·k / cap)`` before the bias is added and the
       masks apply (Gemma 2's soft-capping; FlashAttention's ``softcap``,
-      tokamax's ``logits_soft_cap``). CPU kernels only for now: a call lowered
-      for a GPU raises NotImplementedError.
+      tokamax's ``logits_soft_cap``). On CUDA it runs in the general kernels
+      (not yet the Hopper-specific ones).
 
   Returns:
     The attention output, shaped like ``query``; with ``return_residual``, a

@@ -152,14 +152,9 @@ def _lowering(target: str):
   return rule
 
 
-def _check_cuda_call(config: KernelConfig) -> None:
-  """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
-  by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
-  contract.CUDA_MAX_SEQLEN), and the logit soft-cap (not in the CUDA kernels yet)."""
-  if config.softcap:
-    raise NotImplementedError(
-        f"jaxflash.attention: logits_soft_cap={config.softcap} runs on the CPU kernels only for "
-        f"now; the CUDA kernels do not have it yet.")
+def _check_cuda_positions(config: KernelConfig) -> None:
+  """The CUDA kernels hold positions in 32 bits (contract.CUDA_MAX_SEQLEN): a longer sequence
+  is refused here, when the call is lowered for a GPU, rather than by the kernel at run time."""
   T, S, _ = config.seq_dims
   for what, n in (("query sequence length (query.shape[-3])", T),
                   ("key/value sequence length (key.shape[-3])", S),
@@ -176,7 +171,7 @@ def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
   its strides follow that layout: XLA then transposes it around the call, on CUDA only and
   only in that case (the batching rules stay copy-free on every platform)."""
   def rule(ctx, *args, config):
-    _check_cuda_call(config)
+    _check_cuda_positions(config)
     orders = config.col_minor_orders()
     if not orders:
       return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())

@@ -26,13 +26,6 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
-// The CUDA kernels have no logit soft-cap yet (params.h); Python refuses it when it lowers
-// for CUDA, this for any other caller.
-ffi::Error refuse_softcap(const AttentionParams& p) {
-  if (p.softcap == 0.f) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no logit soft-cap yet");
-}
-
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::AnyBuffer seed, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
@@ -40,7 +33,6 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   AttentionParams p;
   if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed}, *o, *lse, attrs); e.failure())
     return e;
-  if (auto e = refuse_softcap(p); e.failure()) return e;
   return launch_status(gpu::launch_forward(p, stream), "forward");
 }
 
@@ -55,7 +47,6 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                                *dbias, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_softcap(p); e.failure()) return e;
   const int64_t needed =
       gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim, p.dtype);
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)
