@@ -218,7 +218,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // device runs this build's sm_90a code.
   // JAXFLASH_BWD_NO_SM90 (defined for every translation unit) keeps the mma.sync kernels, to
   // test them on a Hopper GPU.
-  rt.sm90 = !sm90_excluded && bwd_sm90_covers(elem_bytes, d_pad) && bwd_sm90_smem_bytes(d_pad) + 1024 <= smem_limit;
+  // (Its dQ writer adds by bulk reduction, so JAXFLASH_BWD_NO_BULK excludes it too.)
+  rt.sm90 = !sm90_excluded && rt.dq_bulk && bwd_sm90_covers(elem_bytes, d_pad) &&
+            bwd_sm90_smem_bytes(d_pad) + 1024 <= smem_limit;
 #ifdef JAXFLASH_BWD_NO_SM90
   rt.sm90 = false;
 #endif

@@ -30,11 +30,20 @@
 // instead of stalling on them. That keeps the argument intact: a warp never
 // waits while holding an unsignalled turn, and between a turn and its signal
 // it only computes and meets its own CTA's barriers.
+//
+// The sm_90 kernel hands the protocol to one writer thread (add_dq_tile): its
+// consumer warpgroups stage the whole dQ tile in shared memory and go on, and
+// the writer adds it with one bulk reduction in the tile's turn, counted on
+// the tile's first semaphore alone. The argument holds with the writer in the
+// warps' place: it waits for other CTAs only in its spin, and otherwise for
+// its own consumers, who wait for nothing outside the CTA but the writer's
+// release of a stage, which it gives before its next spin.
 #pragma once
 
 #include <cstdint>
 
 #include "primitives/dq_order.h"
+#include "primitives/tma.h"
 
 namespace jaxflash::gpu {
 
@@ -52,6 +61,17 @@ __device__ __forceinline__ void spin_until(const int* sem, int target) {
 template <int NF>
 __device__ __forceinline__ int dq_frag_offset(int mf, int nf, int e, int lane) {
   return ((mf * NF + nf) * 4 + e) * 32 + lane;
+}
+
+// The warp's dQ partial `dq`, in fragment order, to its block of a shared-memory stage.
+template <int MF, int NF>
+__device__ __forceinline__ void stage_dq_frags(const float (&dq)[MF][NF][4], float* warp_stage, int lane) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) warp_stage[dq_frag_offset<NF>(mf, nf, e, lane)] = dq[mf][nf][e];
 }
 
 // Chunk c of the warp's dQ partial `dq` (its block of that chunk) += into
@@ -81,12 +101,7 @@ __device__ __forceinline__ void add_dq_chunk(const float (&dq)[MF][NF][4], float
     }
   }
   __syncwarp();  // the stage is free
-#pragma unroll
-  for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) warp_stage[dq_frag_offset<NF>(mf, nf, e, lane)] = dq[mf][nf][e];
+  stage_dq_frags(dq, warp_stage, lane);
   fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
   __syncwarp();
   if (lane == 0) {
@@ -131,6 +146,25 @@ __device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
   __syncwarp();
   if (lane == 0) atomicAdd(pending, 1);
 #endif
+}
+
+// The sm_90 writer's turn for one dQ tile (bwd_sm90_kernel.h), by a single
+// thread: `stage` holds the CTA's partial of the whole tile (the consumers
+// staged it in the accumulator's layout), `tile` is its block of the
+// accumulator. Signals the previous turn, waits for this one (semaphore `sem`
+// reaching `target`), adds with one bulk reduction, and releases the stage
+// (`stage_empty`) once the reduction has read it. The signal waits for the
+// next turn (or flush_dq_turn), by when the add has landed.
+__device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int bytes, int* sem, int target,
+                                            int*& pending, uint64_t* stage_empty) {
+  flush_dq_turn(pending, 0);
+  spin_until(sem, target);
+  fence_proxy_async_global();
+  bulk_reduce_add_f32(tile, stage, bytes);
+  bulk_commit();
+  bulk_wait_reads();
+  mbar_arrive_if(stage_empty, true);
+  pending = sem;
 }
 
 }  // namespace jaxflash::gpu

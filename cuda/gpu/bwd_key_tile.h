@@ -9,6 +9,7 @@
 #include "bwd_kernel_traits.h"
 #include "instance.h"
 #include "primitives/smem_tile.h"
+#include "primitives/tma.h"
 #include "primitives/warp_gemm.h"
 #include "../params.h"
 
@@ -54,18 +55,20 @@ struct ResidentKv {
 // The epilogue: dK (x scale) and dV (x dv_scale) from the lanes' fragments,
 // whose block starts at (frag_row0, frag_col0) of the tile, to shared memory
 // as T (over K and V, no longer read), then whole rows to global memory. Keys
-// in [kv_len, S) are written too: their accumulators are 0.
-template <int kThreads, int BN, class T, class Tile, int MF, int NF>
+// in [kv_len, S) are written too: their accumulators are 0. The kThreads
+// threads (tid below kThreads) meet at named barrier kBarrier: 0, the CTA
+// barrier, where they are the whole CTA.
+template <int kThreads, int BN, class T, int kBarrier = 0, class Tile, int MF, int NF>
 __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const BwdRuntime& rt, const Tile& sK,
                                             const Tile& sV, const float (&dk)[MF][NF][4],
                                             const float (&dv)[MF][NF][4], int frag_row0, int frag_col0,
                                             int64_t kept, int64_t n0, int tid) {
   const int lane = tid % 32;
   cp_async_wait<0>();
-  __syncthreads();
+  named_sync(kBarrier, kThreads);
   store_frags<T>(sK, dk, frag_row0, frag_col0, rt.scale, lane);
   store_frags<T>(sV, dv, frag_row0, frag_col0, rt.dv_scale, lane);
-  __syncthreads();
+  named_sync(kBarrier, kThreads);
   const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
   const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
   const int head_dim = static_cast<int>(p.head_dim);

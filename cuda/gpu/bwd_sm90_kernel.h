@@ -24,13 +24,23 @@
 //   dV_g += P^T dO,   dK_g += dS^T Q           RS, B MN-major (64 x D)
 //   dS^T -> shared memory; barrier
 //   dQ  (its 16 x 64 blocks) = dS K            SS, both MN-major
+//   dQ  -> a shared-memory stage, for the writer
 //
 // Overlap inside a warpgroup: dP^T runs while P^T is computed, dV while dS^T
 // is; the two warpgroups meet at two barriers per Q tile (the tile has
 // landed; dS^T is complete). Q / dO are double buffered with cp.async, so the
 // next tile loads during the whole current one.
+//
+// The dQ writer: a third warpgroup whose one working thread adds each staged
+// dQ tile to the accumulator in the tile's turn (bwd_dq.h's protocol), so the
+// consumers never wait for another CTA's turn nor pay the GPU-scope release
+// of their own: on the H100 those were ~30% of the consumer warps' stall
+// samples (D = 128, N = 4k) when the warps did it themselves. The stage is
+// double buffered (mbarriers full / empty); the warpgroup gives its registers
+// to the consumers (setmaxnreg), as the forward's producer does.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "bwd_dq.h"
@@ -39,6 +49,7 @@
 #include "bwd_scores.h"
 #include "instance.h"
 #include "primitives/smem_tile.h"
+#include "primitives/tma.h"
 #include "primitives/wgmma.h"
 #include "../params.h"
 
@@ -53,7 +64,17 @@ struct BwdSm90Config {
   static constexpr int kHeadDim = D;
   static constexpr bool kDropout = kDropout_;
   static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
-  static constexpr int kThreads = 256;  // two warpgroups
+  static constexpr int kConsumerThreads = 256;  // two warpgroups
+  static constexpr int kThreads = 128 + kConsumerThreads;  // and the dQ writer's
+  static constexpr int kConsumerBarrier = 1;  // the consumers' named barrier
+  // Registers per thread after setmaxnreg, balanced against the launch's
+  // allocation as in fwd_sm90_kernel.h: the writer keeps 24, the consumers 240.
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static constexpr int kWriterRegs = 24;
+  static constexpr int kConsumerRegs =
+      std::min(240, (kLaunchRegs * kThreads - 128 * kWriterRegs) / kConsumerThreads / 8 * 8);
+  static_assert(128 * kWriterRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
+                "setmaxnreg cannot give out more registers than the launch allocated");
   static constexpr int kGroupKeys = kBlockN / 2;
   static constexpr int kSubM = 64;  // queries per S^T / dP^T product
   static constexpr BwdDqGrid kDq = bwd_sm90_dq_grid(D);
@@ -67,12 +88,15 @@ struct BwdSm90Config {
   // Offsets from the 1024-byte aligned base: Q / dO of stage s at 2 s (2 s + 1)
   // QTile::kBytes, then K, V, dS^T, lse2 / delta of stage s at kStatsOff +
   // (2 s, 2 s + 1) BLOCK_M floats, the dropout's row keys of stage s at
-  // kRowKeysOff + s BLOCK_M words, the dQ stage.
+  // kRowKeysOff + s BLOCK_M words, the two dQ stages, their mbarriers (full
+  // 0, 1, empty 0, 1).
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
   static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
   static constexpr int kRowKeysOff = kStatsOff + 4 * kBlockM * 4;
   static constexpr int kDqStageOff = kRowKeysOff + 2 * kBlockM * 4;
-  static constexpr int kSmemBytes = kDqStageOff + kBlockM * D * 4 + 1024;
+  static constexpr int kDqTileFloats = kBlockM * D;
+  static constexpr int kDqBarsOff = kDqStageOff + 2 * kDqTileFloats * 4;
+  static constexpr int kSmemBytes = kDqBarsOff + 4 * 8 + 1024;
   static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
 };
 
@@ -94,12 +118,41 @@ __device__ __forceinline__ void mask_positions_transposed(float (&s)[1][NF][4], 
     }
 }
 
+// The writer's loop: the consumers' instances and Q tiles in their order, each
+// tile's staged dQ added in its turn (bwd_dq.h: add_dq_tile), on the tile's
+// first semaphore.
+template <class Cfg>
+__device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
+                                               int64_t key_tile, const float* stages, uint64_t* full,
+                                               uint64_t* empty) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
+  const int64_t n0 = key_tile * BN;
+  int* pending = nullptr;
+  uint32_t turn = 0;
+#pragma unroll 1
+  for (int64_t r = 0; r < rt.kv_reduced; ++r) {
+    const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
+    const InstanceBounds b = instance_bounds(p, linear);
+    const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
+#pragma unroll 1
+    for (int64_t i = rows.lo / BM; rows.lo < rows.hi && i <= (rows.hi - 1) / BM; ++i, ++turn) {
+      const int64_t m0 = i * BM;
+      const int stage = turn % 2;
+      mbar_wait(full + stage, turn / 2 % 2);
+      const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
+      add_dq_tile(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad, stages + stage * kTileFloats, kTileFloats * 4,
+                  rt.sems + (linear * rt.q_tiles + i) * Cfg::kDq.warps, target, pending, empty + stage);
+    }
+  }
+  flush_dq_turn(pending, 0);
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     backward_sm90_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime rt) {
-#if JF_WGMMA
+#if JF_WGMMA && JF_BWD_DQ_BULK
   using T = typename Cfg::T;
-  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kThreads = Cfg::kThreads;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kThreads = Cfg::kConsumerThreads;
   constexpr int kSubM = Cfg::kSubM;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
@@ -110,9 +163,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const DsTile sdS{smem + Cfg::kDsOff};
   float* const stats = reinterpret_cast<float*>(smem + Cfg::kStatsOff);
   uint32_t* const row_keys = reinterpret_cast<uint32_t*>(smem + Cfg::kRowKeysOff);
-  float* const dq_stage = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
+  float* const dq_stages = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
+  uint64_t* const dq_full = reinterpret_cast<uint64_t*>(smem + Cfg::kDqBarsOff);
+  uint64_t* const dq_empty = dq_full + 2;
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  // The warpgroup, as a value ptxas knows to be warp-uniform (fwd_sm90_kernel.h).
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(dq_full + s, kThreads / 32);  // one arrival per consumer warp
+      mbar_init(dq_empty + s, 1);             // the writer's
+    }
+    mbar_init_fence();
+  }
+  const auto [kept, key_tile] = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
+  if (warpgroup == 0) {
+    regs_release<Cfg::kWriterRegs>();
+    if (threadIdx.x == 0) write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_full, dq_empty);
+    return;
+  }
+  regs_acquire<Cfg::kConsumerRegs>();
+
+  const int tid = threadIdx.x - 128, lane = tid % 32, warp = tid / 32;  // among the consumers
   const int group = warp / 4, key0 = group * Cfg::kGroupKeys;
   const int warp_key0 = key0 + 16 * (warp % 4);  // the warp's accumulator rows
   // The warpgroup's 64 x 64 block of dQ, and the warp's 16 x 64 block of it
@@ -121,7 +193,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int dq_warp = (dq_row0 / 16 + warp % 4) * Cfg::kDq.warps_n + dq_col0 / 64;
   constexpr int kDqWarpFloats = 16 * 64;
 
-  const auto [kept, key_tile] = take_key_tile(rt, tid);
   const int64_t n0 = key_tile * BN;
   const int head_dim = static_cast<int>(p.head_dim);
 
@@ -130,7 +201,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   zero_frags(dv);
 
   ResidentKv<T> resident;  // a GQA group shares the K/V rows
-  int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
+  uint32_t dq_turn = 0;    // Q tiles done: the dQ stage and its phase
 
 #pragma unroll 1
   for (int64_t r = 0; r < rt.kv_reduced; ++r) {
@@ -148,7 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Every warpgroup's products of the previous instance are complete (each
     // waited for its own before its last barrier); this one orders them
     // before the loads below overwrite their operands.
-    __syncthreads();
+    named_sync(Cfg::kConsumerBarrier, kThreads);
     resident.template load<kThreads>(sK, sV, p, inst.origin<const T>(p, p.k) + n0 * p.k.row_stride,
                                      inst.origin<const T>(p, p.v) + n0 * p.v.row_stride,
                                      static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);
@@ -180,7 +251,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int64_t m0 = i * BM;
       cp_async_wait<0>();
       fence_proxy_async_shared();  // the copies, before the tensor cores read them
-      __syncthreads();
+      named_sync(Cfg::kConsumerBarrier, kThreads);
       // The other stage was last read by the previous tile's products, which
       // every warpgroup waited for before the barrier above.
       if (i < i_last) load_q_tile(m0 + BM, stage ^ 1);
@@ -277,7 +348,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         wgmma_commit();
       }
       fence_proxy_async_shared();  // the dS^T stores, before the tensor cores read them
-      __syncthreads();
+      named_sync(Cfg::kConsumerBarrier, kThreads);
 
       Acc<64> dq;
       {
@@ -291,17 +362,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
       hold_acc(dq);
 
-      const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
-      int* const sem = rt.sems + (linear * rt.q_tiles + i) * Cfg::kDq.warps + dq_warp;
-      add_dq_chunk(dq, rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad + dq_warp * kDqWarpFloats, 0, sem, target,
-                   pending, dq_stage + dq_warp * kDqWarpFloats, lane);
-      pending = sem;
+      // To the writer: each warp's block in the accumulator's layout, once the
+      // writer's reduction of two tiles ago has read the stage.
+      const int dq_stage = dq_turn % 2;
+      mbar_wait(dq_empty + dq_stage, (dq_turn / 2 % 2) ^ 1);
+      stage_dq_frags(dq, dq_stages + dq_stage * Cfg::kDqTileFloats + dq_warp * kDqWarpFloats, lane);
+      fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
+      __syncwarp();
+      mbar_arrive_if(dq_full + dq_stage, lane == 0);
+      ++dq_turn;
     }
   }
-  flush_dq_turn(pending, lane);
   hold_acc(dk);
   hold_acc(dv);
-  store_dk_dv<kThreads, BN, T>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);
+  store_dk_dv<kThreads, BN, T, Cfg::kConsumerBarrier>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);
 #else
   (void)p, (void)rt;
 #endif

@@ -131,12 +131,13 @@ constexpr int bwd_smem_bytes(const BwdTiles& t, int elem_bytes, int d, bool dq_b
 // warpgroups by rows when BLOCK_M = 128, by columns when D = 128; every warp
 // then owns a 16 x 64 block of it, which sets the accumulator's layout.
 //
-//   D    BLOCK_M  Q, dO (x2 stages)  K, V    dS^T   dQ stage  total
-//   64     128         64 KB         32 KB   32 KB   32 KB    161 KB
-//   128     64         64 KB         64 KB   16 KB   32 KB    177 KB
+//   D    BLOCK_M  Q, dO (x2 stages)  K, V    dS^T   dQ stages (x2)  total
+//   64     128         64 KB         32 KB   32 KB       64 KB      193 KB
+//   128     64         64 KB         64 KB   16 KB       64 KB      209 KB
 //
-// Registers per thread: dK, dV (2 x D / 2) + S^T, dP^T (2 x BLOCK_M / 2)
-// = 192 fp32 at both sizes, under the 255 of one 256-thread CTA per SM.
+// Registers per consumer thread: dK, dV (2 x D / 2) + S^T, dP^T (2 x
+// BLOCK_M / 2) = 192 fp32 at both sizes, under the 240 that setmaxnreg gives
+// the two consumer warpgroups beside the dQ writer's.
 constexpr int kBwdSm90BlockN = 128;
 
 #if defined(__CUDACC__)
@@ -158,14 +159,14 @@ constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
 }
 
 // Dynamic shared memory: the tiles, the per-stage row statistics (lse2, delta
-// and the dropout's row keys of the Q tile), the dQ stage, and 1 KB to align
-// the tiles to 1024.
+// and the dropout's row keys of the Q tile), the two dQ stages and their four
+// mbarriers, and 1 KB to align the tiles to 1024.
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
 constexpr int bwd_sm90_smem_bytes(int d) {
   const int bm = bwd_sm90_block_m(d), bn = kBwdSm90BlockN;
-  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + bm * d * 4 + 1024;
+  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 1024;
 }
 
 static_assert(bwd_sm90_block_m(64) == bwd_tiles(2, 64, false).block_m &&
