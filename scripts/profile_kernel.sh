@@ -2,7 +2,8 @@
 # Build a CUDA self-test for sm_90a and time one direction's bf16 kernel at
 # FlashAttention's benchmark shapes (the forward also at D = 256); with a shape,
 # time only that one, and with `ncu` also profile one launch of its main kernel
-# (full section set; the report, its details page and a short summary in $OUT).
+# (full section set; the report, its details page, its source page and a short
+# summary with the warp-stall reasons and lines, scripts/ncu_stalls.py, in $OUT).
 #
 #   scripts/profile_kernel.sh fwd|bwd                      every benchmark shape
 #   scripts/profile_kernel.sh bwd 128 4096 full            one shape (D, N, causal|full)
@@ -35,4 +36,7 @@ if [ "${4:-}" = ncu ]; then
   ncu --import "$OUT/$name.ncu-rep" --page raw --csv \
     --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_wait,smsp__average_warp_latency_issue_stalled_math_pipe_throttle \
     2>&1 | tee -a "$OUT/$name.summary.txt" || true
+  # Where the warps wait, by reason and source line.
+  ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/$name.source.csv"
+  python3 scripts/ncu_stalls.py "$OUT/$name.source.csv" | tee -a "$OUT/$name.summary.txt"
 fi
