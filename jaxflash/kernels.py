@@ -1,7 +1,9 @@
 """The kernel primitives: one custom call per direction, on the arrays one device holds.
 
-``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed) -> (o, lse)
-``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
+``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
+                          q_segment_ids, kv_segment_ids) -> (o, lse)
+``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
+                          q_segment_ids, kv_segment_ids, lse, delta, d_o)
                          -> (dq, dk, dv, dbias, workspace)
 
 lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
