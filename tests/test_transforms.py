@@ -203,6 +203,12 @@ COL_NOT_MINOR = ("mixed_axes",)
 VMAP_DTYPES = ("float32", "bfloat16")
 
 
+def skip_where_not_in_kernels(case: VmapCase, backend: str):
+  """Segment ids are in the CPU kernels only so far (test_attention checks the CUDA refusal)."""
+  if backend == "cuda" and any(name.endswith("segment_ids") for name in case.operands):
+    pytest.skip("the CUDA kernels have no segment ids yet")
+
+
 def weighted_sum_loss(fn, cotangent):
   """sum(out * cotangent) (and likewise for the lse) in float32: its gradient is the VJP of
   `fn` with `cotangent`."""
@@ -250,6 +256,7 @@ def small_inputs(seed: int, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_vmap_matches_loop(name, dtype, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(1, dtype)
   batched = jax.jit(case.build(jax.vmap))(*operands)
@@ -271,6 +278,7 @@ def test_vmap_over_heads_equals_multi_head_call(backend):
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_grad_of_vmap_matches_loop(name, dtype, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(3, dtype)
   batched_fn, looped_fn = case.build(jax.vmap), case.build(loop_vmap)
@@ -287,6 +295,7 @@ def test_grad_of_vmap_matches_loop(name, dtype, backend):
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", FULLY_BATCHED)
 def test_vmap_of_grad_matches_loop(name, dtype, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(5, dtype)
   item_fn = attention_of(tuple(case.operands), **case.static)
@@ -367,6 +376,7 @@ def test_kernel_primitives_batch_without_the_rest_of_the_package():
 
 @pytest.mark.parametrize("name", HLO_FORWARD)
 def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(7, "bfloat16")
   hlo = reference.compiled_hlo(case.build(jax.vmap), *operands)
@@ -383,6 +393,7 @@ def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
 
 @pytest.mark.parametrize("name", HLO_GRAD)
 def test_vmapped_grad_compiles_to_one_forward_and_one_backward_kernel(name, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(8, "bfloat16")
   fn = case.build(jax.vmap)
