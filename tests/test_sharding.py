@@ -24,7 +24,7 @@ import jaxflash
 import reference
 from jaxflash import kernels, ring as ring_lib
 from jaxflash.attention import _delta, _gradient_layouts
-from jaxflash.contract import UNBOUNDED, Flag, absent
+from jaxflash.contract import OPTIONAL_INPUTS, UNBOUNDED, Flag, absent
 from jaxflash.validation import validate
 from reference import assert_close, assert_same_kernel
 
@@ -381,8 +381,7 @@ def test_diagonal_offset_places_blocks_in_one_sequence(q_start, k_start, window,
   d = (k_start + np.arange(S))[None, :] - (q_start + np.arange(T))[:, None]
   inputs["mask"] = jax.device_put(jnp.asarray((d >= -window[0]) & (d <= window[1]))[None, None],
                                   device)
-  absent_operands = lambda dtype: [absent(slot, dtype) for slot in
-                                   ("bias", "mask", "q_lens", "kv_lens", "seed")]
+  absent_operands = lambda dtype: [absent(slot, dtype) for slot in OPTIONAL_INPUTS]
 
   @jax.jit
   def placed(q, k, v, d_o):
