@@ -6,13 +6,21 @@
 // forward's mask without storing it: the forward walks rows of P, the sm_90
 // backward walks its transpose, and both must agree bit for bit.
 //
-//   row_key(t)  = mix(mix(t + seed0) ^ seed1)         once per query row
-//   bits(t, s)  = mix(row_key(t) ^ s * 0x9E3779B9)    once per entry
-//   keep(t, s)  = bits(t, s) < keep_threshold
+//   row_key(t)   = mix(mix(t + seed0) ^ seed1)            once per query row
+//   pair(s)      = 8 (s / 16) + s % 8                     keys s and s + 8 (s % 16 < 8) pair up
+//   bits(t, s)   = mix(row_key(t) ^ pair(s) * 0x9E3779B9) once per pair
+//   keep(t, s)   = (s % 16 < 8 ? bits % 2^16 : bits / 2^16) < keep_threshold
+//
+// One hash decides two entries, each from 16 of its bits: the hash is most of
+// dropout's cost in the kernels (the integer pipe, beside the tensor cores), and
+// keys s and s + 8 of a row are the pair that one thread holds in every kernel's
+// accumulator layout (an mma / wgmma C fragment's n8 columns, and its rows in the
+// sm_90 backward's transposed one). The rate resolves to 2^-16: keep_threshold
+// = round(2^16 (1 - rate)) in [1, 2^16].
 //
 // mix is a 32-bit finalizer (xorshift-multiply, two rounds; its constants come
 // from Wellons' hash search and avalanche well). Both steps are bijections of
-// their counter for a fixed key, so entries of one row never share a value.
+// their counter for a fixed key, so pairs of one row never share a value.
 // (seed0, seed1) are two words of jax.random.bits of the user's key, per
 // instance (or one pair for all, broadcast_dropout).
 #pragma once
@@ -36,9 +44,19 @@ JF_HOST_DEVICE uint32_t dropout_row_key(uint32_t seed0, uint32_t seed1, int64_t 
   return dropout_mix(dropout_mix(static_cast<uint32_t>(t) + seed0) ^ seed1);
 }
 
-JF_HOST_DEVICE uint32_t dropout_bits(uint32_t row_key, int64_t s) {
-  return dropout_mix(row_key ^ (static_cast<uint32_t>(s) * 0x9E3779B9u));
+// The pair of key s (above), and its hash for a row.
+JF_HOST_DEVICE uint32_t dropout_pair(int64_t s) {
+  const uint32_t u = static_cast<uint32_t>(s);
+  return (u >> 4 << 3) | (u & 7u);
 }
+
+JF_HOST_DEVICE uint32_t dropout_pair_bits(uint32_t row_key, uint32_t pair) {
+  return dropout_mix(row_key ^ (pair * 0x9E3779B9u));
+}
+
+// The decisions a pair's hash makes: for its lower key (s % 16 < 8) and its upper one.
+JF_HOST_DEVICE bool dropout_keep_lower(uint32_t bits, uint32_t threshold) { return (bits & 0xFFFFu) < threshold; }
+JF_HOST_DEVICE bool dropout_keep_upper(uint32_t bits, uint32_t threshold) { return (bits >> 16) < threshold; }
 
 // One instance's dropout: its seed words and the rate's threshold.
 // (All zero, threshold 0, when dropout is off: never consulted then.)
@@ -46,7 +64,11 @@ struct DropoutKey {
   uint32_t seed0 = 0, seed1 = 0, threshold = 0;
 
   JF_HOST_DEVICE uint32_t row_key(int64_t t) const { return dropout_row_key(seed0, seed1, t); }
-  JF_HOST_DEVICE bool keep(uint32_t row_key, int64_t s) const { return dropout_bits(row_key, s) < threshold; }
+  // Entry (t, s) alone (a kernel holding both keys of a pair hashes it once).
+  JF_HOST_DEVICE bool keep(uint32_t row_key, int64_t s) const {
+    const uint32_t bits = dropout_pair_bits(row_key, dropout_pair(s));
+    return s & 8 ? dropout_keep_upper(bits, threshold) : dropout_keep_lower(bits, threshold);
+  }
 };
 
 // words: the instance's 2 seed words, word_stride apart (the seed view's col stride).

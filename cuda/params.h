@@ -75,6 +75,10 @@ constexpr int64_t kUnbounded = -1;
 // refuses longer sequences when it lowers for CUDA, naming the argument.
 constexpr int64_t kCudaMaxSeqLen = int64_t{1} << 28;
 
+// Dropout decides an entry from 16 bits of a hash (dropout.h): keep_threshold is
+// round(kDropoutResolution * (1 - rate)), in [1, kDropoutResolution].
+constexpr int64_t kDropoutResolution = int64_t{1} << 16;
+
 struct AttentionParams {
   DType dtype = DType::kF32;       // q, k, v, o, d_o, dq, dk, dv
   DType bias_dtype = DType::kF32;  // bias and dbias: dtype or float32
@@ -98,16 +102,16 @@ struct AttentionParams {
   int64_t window_right = kUnbounded;
   int64_t diagonal_offset = 0;
 
-  // Attention dropout (kDropout): entry (t, s) of P is kept iff
-  // dropout_bits(dropout_row_key(seed words, t), s) < keep_threshold (dropout.h), and the
-  // kept entries are scaled by keep_scale = 1 / (1 - rate). The softmax's normaliser, and so
+  // Attention dropout (kDropout): entry (t, s) of P is kept iff its 16 bits of the hash
+  // are below keep_threshold (dropout.h's keep), and the kept entries are scaled by
+  // keep_scale = 1 / (1 - rate). The softmax's normaliser, and so
   // lse, is that of the undropped P.
   uint32_t keep_threshold = 0;
   float keep_scale = 1.f;
 
   // Logit soft-cap (0: none): the logits are cap * tanh(scale * q.k / cap), before the bias
-  // is added and the masks apply (FlashAttention's order). CPU kernels only so far; the CUDA
-  // handlers refuse it (jaxflash/kernels.py refuses it first, when it lowers for CUDA).
+  // is added and the masks apply (FlashAttention's order). The CUDA kernels run it in their
+  // general variants (mma.sync; not the sm_90 ones yet).
   float softcap = 0.f;
 
   // Forward operands and results.

@@ -85,8 +85,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     logits_soft_cap: ``cap``, a Python float > 0, or None: the scaled logits
       become ``cap * tanh(scale * q·k / cap)`` before the bias is added and the
       masks apply (Gemma 2's soft-capping; FlashAttention's ``softcap``,
-      tokamax's ``logits_soft_cap``). CPU kernels only for now: a call lowered
-      for a GPU raises NotImplementedError.
+      tokamax's ``logits_soft_cap``). On CUDA it runs in the general kernels
+      (not yet the Hopper-specific ones).
     query_segment_ids, key_value_segment_ids: packed sequences: int32 ``(B, T)`` and
       ``(B, S)`` (``(T,)`` and ``(S,)`` for 3-D inputs and a single head); query ``t`` sees key
       ``s`` only if ``query_segment_ids[b, t] == key_value_segment_ids[b, s]``, on top of every

@@ -53,6 +53,9 @@ MAX_INSTANCE_DIMS = 8
 # (kernels.py checks when it lowers for CUDA).
 CUDA_MAX_SEQLEN = 2**28
 
+# kDropoutResolution: dropout decides each entry from 16 bits of a hash (dropout.py).
+DROPOUT_RESOLUTION = 2**16
+
 # The kernel primitives' operands and results, in the order the FFI handlers bind them.
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q_segment_ids",
                   "kv_segment_ids")

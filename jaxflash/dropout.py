@@ -8,7 +8,13 @@ restates the hash in jnp (``dropout_mask``): the same mask, bit for bit, for
 debugging or for a reference implementation (the tests compare the two).
 
   row_key(t) = mix(mix(t + seed0) ^ seed1)
-  keep(t, s) = mix(row_key(t) ^ s * 0x9E3779B9) < keep_threshold
+  pair(s)    = 8 (s // 16) + s % 8            (keys s and s + 8 share a hash)
+  bits(t, s) = mix(row_key(t) ^ pair(s) * 0x9E3779B9)
+  keep(t, s) = (bits % 2**16 if s % 16 < 8 else bits // 2**16) < keep_threshold
+
+One hash decides two entries from 16 bits each, so the rate resolves to 2**-16: an entry is
+kept with probability keep_threshold / 2**16, keep_threshold = round(2**16 (1 - rate)) (at
+least 1), and kept entries are scaled by 1 / (1 - rate).
 
 Seeds: ``jax.random.bits(dropout_rng, (B, N, 2), uint32)``, one pair per batch
 item and query head, or a single pair shared by all of them with
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from jaxflash.contract import DROPOUT_RESOLUTION
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,10 +36,10 @@ _MIX_MULTIPLIERS = (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
 
 
 def keep_threshold_and_scale(rate: float) -> tuple[int, float]:
-  """The kernels' integer threshold (keep iff 32 hash bits < it) and the kept entries' scale
-  1 / (1 - rate), for 0 < rate < 1."""
+  """The kernels' integer threshold (keep iff an entry's 16 hash bits are below it, so in
+  [1, 2**16]) and the kept entries' scale 1 / (1 - rate), for 0 < rate < 1."""
   keep = 1.0 - rate
-  threshold = min(int(round(keep * 2.0**32)), 2**32 - 1)
+  threshold = min(max(int(round(keep * DROPOUT_RESOLUTION)), 1), DROPOUT_RESOLUTION)
   return threshold, float(np.float32(1.0 / keep))
 
 
@@ -63,8 +71,10 @@ def keep_from_seeds(seed_words, seqlen_q: int, seqlen_k: int, threshold: int) ->
   t = jnp.arange(seqlen_q, dtype=jnp.uint32)
   s = jnp.arange(seqlen_k, dtype=jnp.uint32)
   row_key = _mix(_mix(t + seed0) ^ seed1)                      # (..., T)
-  bits = _mix(row_key[..., :, None] ^ (s * _GOLDEN))           # (..., T, S)
-  return bits < jnp.uint32(threshold)
+  pair = ((s >> 4) << 3) | (s & 7)
+  bits = _mix(row_key[..., :, None] ^ (pair * _GOLDEN))        # (..., T, S)
+  field = jnp.where((s & 8) == 0, bits & 0xFFFF, bits >> 16)
+  return field < jnp.uint32(threshold)
 
 
 def dropout_mask(dropout_rng, query_shape: Sequence[int], key_shape: Sequence[int],

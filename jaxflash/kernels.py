@@ -157,12 +157,7 @@ def _lowering(target: str):
 def _check_cuda_call(config: KernelConfig) -> None:
   """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
   by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
-  contract.CUDA_MAX_SEQLEN), the logit soft-cap and segment ids (not in the CUDA kernels
-  yet)."""
-  if config.softcap:
-    raise NotImplementedError(
-        f"jaxflash.attention: logits_soft_cap={config.softcap} runs on the CPU kernels only for "
-        f"now; the CUDA kernels do not have it yet.")
+  contract.CUDA_MAX_SEQLEN) and segment ids (not in the CUDA kernels yet)."""
   if config.has(Flag.HAS_SEGMENT_IDS):
     raise NotImplementedError(
         "jaxflash.attention: query_segment_ids / key_value_segment_ids run on the CPU kernels "

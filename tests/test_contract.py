@@ -8,7 +8,8 @@ import pytest
 
 from jaxflash import contract, kernels
 
-CONSTANTS = ("dtype_codes", "slots", "max_instance_dims", "unbounded", "cuda_max_seqlen")  # contract.NAME.upper()
+CONSTANTS = ("dtype_codes", "slots", "max_instance_dims", "unbounded", "cuda_max_seqlen",  # contract.NAME.upper()
+             "dropout_resolution")
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ def test_mask_has_no_visible_structure():
   def corr(a, b):
     return abs(float(np.corrcoef(a.ravel(), b.ravel())[0, 1]))
   assert corr(keep[:, :, :-1], keep[:, :, 1:]) < 0.03    # neighbouring keys
+  assert corr(keep[:, :, :-8], keep[:, :, 8:]) < 0.03    # keys 8 apart: two halves of one hash
   assert corr(keep[:, :-1, :], keep[:, 1:, :]) < 0.03    # neighbouring queries
   assert corr(keep[:-1], keep[1:]) < 0.03                # neighbouring heads
   assert corr(keep[:, :-1, :-1], keep[:, 1:, 1:]) < 0.03  # the diagonal
@@ -88,6 +89,18 @@ def test_mask_has_no_visible_structure():
   rows = np.asarray(dropout_lib.keep_from_seeds(words, 16, 64, threshold)).astype(np.float64)
   assert corr(rows[:-1], rows[1:]) < 0.05
   assert abs(rows.mean() - 0.5) < 0.01
+
+
+def test_rate_resolves_to_2_to_the_minus_16():
+  """Each entry is decided by 16 bits of a hash: the threshold is round(2**16 (1 - rate)),
+  kept in [1, 2**16] (a rate within 2**-17 of 1 still keeps 1 in 65536, so kept entries never
+  meet a zero keep probability), and the scale stays 1 / (1 - rate)."""
+  resolution = jaxflash.contract.DROPOUT_RESOLUTION
+  assert resolution == 2**16
+  for rate, threshold in ((0.1, 58982), (0.5, 32768), (1e-9, resolution), (1 - 1e-9, 1)):
+    got, scale = dropout_lib.keep_threshold_and_scale(rate)
+    assert got == threshold, (rate, got)
+    assert scale == np.float32(1 / (1 - rate))
 
 
 def _inputs(dtype=jnp.bfloat16, shape=(2, 70, 4, 32), kv_heads=2):

@@ -254,8 +254,6 @@ def test_flax_attention_passes_dropout_to_the_kernels(masking, broadcast, device
 def test_flax_attention_passes_the_soft_cap(masking, backend, device):
   """logits_soft_cap, bound with functools.partial, is jaxflash.attention's whichever kernel
   call the mask classification picks."""
-  if backend == "cuda":
-    pytest.skip("the CUDA kernels have no logit soft-cap yet (test_attention checks the refusal)")
   inputs = reference.random_inputs(jax.random.key(5), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
                                                            k=(BATCH, LENGTH, NUM_HEADS, 16),
                                                            v=(BATCH, LENGTH, NUM_HEADS, 16)),

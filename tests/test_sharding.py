@@ -188,8 +188,6 @@ def _grad_fn(case: ShardCase):
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_equals_single_device(name, dtype, backend, device):
   case = CASES[name]
-  if backend == "cuda" and "logits_soft_cap" in dict(case.options):
-    pytest.skip("the CUDA kernels have no logit soft-cap yet (test_attention checks the refusal)")
   if backend == "cuda" and case.segments:
     pytest.skip("the CUDA kernels have no segment ids yet (test_attention checks the refusal)")
   mesh = make_mesh(backend, case.two_d)
@@ -238,7 +236,7 @@ RING_CASES = {
     # Blocks of 16: two blocks back on 8 devices; the second, one block back and two ahead.
     "causal_sliding_window": dict(is_causal=True, local_window_size=20, order="contiguous"),
     "two_sided_window": dict(is_causal=False, local_window_size=(5, 18), order="contiguous"),
-    # The soft-cap is per logit: every block caps its own (CPU kernels only so far).
+    # The soft-cap is per logit: every block caps its own.
     "causal_zigzag_soft_cap": dict(is_causal=True, order="zigzag", logits_soft_cap=1.5),
 }
 
@@ -247,8 +245,6 @@ RING_CASES = {
 @pytest.mark.parametrize("name", list(RING_CASES))
 def test_ring_attention_in_shard_map(name, dtype, backend, device):
   options = RING_CASES[name]
-  if backend == "cuda" and "logits_soft_cap" in options:
-    pytest.skip("the CUDA kernels have no logit soft-cap yet (test_attention checks the refusal)")
   mesh = make_mesh(backend, two_d=False)
   n = mesh.shape["x"]
   B, T, N, K = 2, 16 * n, 4, 2

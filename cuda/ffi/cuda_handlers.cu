@@ -26,10 +26,9 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
-// The CUDA kernels have no logit soft-cap and no segment ids yet (params.h); Python refuses
-// them when it lowers for CUDA, this for any other caller, so that no kernel ignores them.
-ffi::Error refuse_cpu_only(const AttentionParams& p) {
-  if (p.softcap != 0.f) return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no logit soft-cap yet");
+// The CUDA kernels have no segment ids yet (params.h); Python refuses them when it lowers for
+// CUDA, this for any other caller, so that no kernel ignores them.
+ffi::Error refuse_segment_ids(const AttentionParams& p) {
   if (p.has(kHasSegmentIds))
     return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no segment ids yet");
   return ffi::Error::Success();
@@ -45,7 +44,7 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               *lse, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_cpu_only(p); e.failure()) return e;
+  if (auto e = refuse_segment_ids(p); e.failure()) return e;
   return launch_status(gpu::launch_forward(p, stream), "forward");
 }
 
@@ -61,7 +60,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                                delta, d_o, *dq, *dk, *dv, *dbias, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_cpu_only(p); e.failure()) return e;
+  if (auto e = refuse_segment_ids(p); e.failure()) return e;
   const int64_t needed =
       gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim, p.dtype);
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)

@@ -11,7 +11,7 @@
 //   window_left, window_right       kUnbounded (-1) or >= 0
 //   diagonal_offset                 added to the window's diagonal (params.h)
 //   flags                           bits of jaxflash::Flags
-//   keep_threshold                  dropout: keep iff bits < it, in [0, 2^32 - 1]
+//   keep_threshold                  dropout: keep iff 16 hash bits < it, in [1, 2^16]
 //   keep_scale                      float32, dropout: 1 / (1 - rate)
 //   softcap                         float32, the logit soft-cap, 0 for none
 #pragma once
@@ -76,8 +76,8 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
   p.diagonal_offset = a.diagonal_offset;
   p.flags = a.flags;
   if (p.has(kDropout)) {
-    if (a.keep_threshold < 0 || a.keep_threshold > int64_t{0xFFFFFFFF} || !(a.keep_scale >= 1.f))
-      return ffi::Error::InvalidArgument("jaxflash: dropout needs 0 <= keep_threshold < 2^32 and keep_scale >= 1");
+    if (a.keep_threshold < 1 || a.keep_threshold > kDropoutResolution || !(a.keep_scale >= 1.f))
+      return ffi::Error::InvalidArgument("jaxflash: dropout needs 1 <= keep_threshold <= 2^16 and keep_scale >= 1");
     p.keep_threshold = static_cast<uint32_t>(a.keep_threshold);
     p.keep_scale = a.keep_scale;
   }

@@ -48,6 +48,7 @@ nb::dict contract() {
   result["max_instance_dims"] = kMaxInstanceDims;
   result["unbounded"] = kUnbounded;
   result["cuda_max_seqlen"] = kCudaMaxSeqLen;
+  result["dropout_resolution"] = kDropoutResolution;
   return result;
 }
 

@@ -170,6 +170,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.scale = p.scale;
   rt.dv_scale = p.has(kDropout) ? p.keep_scale : 1.f;
   rt.score_mul = p.scale * kLog2e;
+  rt.softcap2 = p.softcap * kLog2e;
   rt.bias_f32 = p.bias_dtype == DType::kF32;
   rt.q_vec = rows_aligned(p, p.q, elem_bytes);
   rt.k_vec = rows_aligned(p, p.k, elem_bytes);
@@ -200,7 +201,8 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
 #endif
   // The mma.sync kernels read bias, mask and dropout in their general variant only; the sm_90
   // kernel reads no bias or mask, but does dropout.
-  const bool sm90_excluded = has_bias || has_mask || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  const bool sm90_excluded =
+      has_bias || has_mask || p.softcap > 0.f || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
   rt.general = sm90_excluded || p.has(kDropout);
   // The fast variant's larger tiles can exceed a device's shared memory
   // (sm_86 / sm_89 have 99 KB per block); the general variant computes the

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           __syncthreads();
         }
         float pr[MF][NF][4], ds[MF][NF][4];
-        probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, tile_pair_full<BM, BN>(p, b, m0, n0), sQ, sK, sdO, sV,
+        probs_and_dscores<Cfg, /*kDsOfLogits=*/true>(pr, ds, p, rt, b, in, m0, n0, tile_pair_full<BM, BN>(p, b, m0, n0), sQ, sK, sdO, sV,
                                row0, col0, lane);
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)

@@ -16,12 +16,17 @@ namespace jaxflash::gpu {
 // q/k/v/dO rows 16-byte aligned) and the general one. kF32Mma: how float32
 // operands go through the tensor cores (primitives/ptx.h; tf32 by default,
 // 3xTF32 under kExactF32), on the same tiles.
-template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
+// kSoftcap: a copy of the general variant for a logit soft-cap, whose main
+// kernel keeps each score's tanh slope from P to dS (a register per score
+// that the copy without keeps for itself).
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSoftcap_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;
   static constexpr bool kGeneral = kGeneral_;
   static constexpr F32Mma kF32Mma = kF32Mma_;
+  static constexpr bool kSoftcap = kSoftcap_;
+  static_assert(kGeneral || !kSoftcap, "the soft-cap is in the general variant");
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static constexpr BwdTiles kTiles = bwd_tiles(static_cast<int>(sizeof(T)), D, kGeneral);
   static constexpr int kBlockM = kTiles.block_m;
@@ -105,6 +110,7 @@ struct BwdWorkspaceLayout {
 // Launch-time values, computed once on the host (backward.cu).
 struct BwdRuntime {
   float score_mul;  // scale * log2 e
+  float softcap2;   // log2 e * logits_soft_cap (primitives/score.h), 0 without one (general variant)
   float scale;
   float dv_scale;   // 1, or dropout's 1 / (1 - rate): dV = c (P o Z)^T dO
   bool bias_f32;    // bias / dbias are float32 rather than T

@@ -1,6 +1,8 @@
 // P and dS of one (Q tile, K tile) pair, for one warp's block of the S grid:
 //   S  = Q K^T (raw),  s2 = (S * scale * log2 e + bias * log2 e - lse2) - lse2_lo
 //   P  = exp2(s2)  (0 where masked, and for rows with no gradient: lse2 = +inf)
+// With a soft-cap (general variant), S * scale * log2 e becomes c tanh(S * scale *
+// log2 e / c), c = log2 e * cap, and dS of Q K^T is dS of the logits times 1 - tanh^2.
 // lse2 + lse2_lo is the forward's base-2 lse, exactly (params.h): subtracting the
 // large part first keeps s2 exact where P is large, whatever the logits' size.
 // float32 only: in 16 bits P and dS are rounded to the input dtype before every
@@ -52,7 +54,9 @@ __device__ __forceinline__ bool tile_pair_full(const AttentionParams& p, const I
 
 // pr <- P, ds <- dS for the warp block at (row0, col0) of the tile pair (m0, n0),
 // in fp32. sQ / sdO hold rows m0.., sK / sV keys n0...
-template <class Cfg>
+// dS is that of Q K^T (what dQ and dK need), or with kDsOfLogits that of the
+// logits (dbias's): they differ under a soft-cap, by its slope 1 - tanh^2.
+template <class Cfg, bool kDsOfLogits = false>
 __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kSNF][4],
                                                   float (&ds)[Cfg::kSMF][Cfg::kSNF][4], const AttentionParams& p,
                                                   const BwdRuntime& rt, const InstanceBounds& b,
@@ -80,13 +84,37 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D>(pr, sQ, row0, sK, col0, lane);
 
   const ScoreBlock blk(p, b, m0 + row0, n0 + col0);
-  bool biased = false;
+  // scaled: pr already holds base-2 logits (a soft-cap or a bias made them so).
+  bool scaled = false;
+  // The soft-cap: in the main kernel's copy for it (BwdConfig::kSoftcap), which keeps
+  // each score's slope from here to dS, and in the dbias kernel, which needs no slope;
+  // the other copies have none of its code (its registers cost the general one spills).
+  constexpr bool kCap = Cfg::kSoftcap || (Cfg::kGeneral && kDsOfLogits);
+  constexpr bool kSlope = Cfg::kSoftcap && !kDsOfLogits;
+  [[maybe_unused]] float slope[kSlope ? MF : 1][kSlope ? NF : 1][4];
+  if constexpr (kCap) {
+    if (rt.softcap2 > 0.f) {  // before the bias (params.h)
+      scaled = true;
+      const float in_mul = rt.score_mul / rt.softcap2;
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float t = tanhf(pr[mf][nf][i] * in_mul);
+            pr[mf][nf][i] = rt.softcap2 * t;
+            if constexpr (kSlope) slope[mf][nf][i] = (1.f + t) * (1.f - t);  // as jax's tanh JVP
+          }
+    }
+  }
   if constexpr (Cfg::kGeneral) {
     if (in.bias != nullptr) {
-      biased = true;
+      const float mul = scaled ? 1.f : rt.score_mul;
+      scaled = true;
       const ArrayView& v = p.bias;
       auto add = [&](auto unit_col, auto* ptr) {
-        bwd_add_bias<decltype(unit_col)::value>(pr, ptr, v.row_stride, v.col_stride, blk, rt.score_mul, lane);
+        bwd_add_bias<decltype(unit_col)::value>(pr, ptr, v.row_stride, v.col_stride, blk, mul, lane);
       };
       if (rt.bias_f32) {
         if (v.col_stride == 1) add(std::true_type{}, static_cast<const float*>(in.bias));
@@ -104,7 +132,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float& x = pr[mf][nf][i];
-        x = biased ? x - lse2[mf][i >> 1] : fmaf(x, rt.score_mul, -lse2[mf][i >> 1]);
+        x = scaled ? x - lse2[mf][i >> 1] : fmaf(x, rt.score_mul, -lse2[mf][i >> 1]);
         if constexpr (kSubtractLo) x -= lse2_lo[mf][i >> 1];
       }
   if (!full) bwd_mask_positions(pr, blk, lane);
@@ -125,6 +153,16 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, D>(ds, sdO, row0, sV, col0, lane);
   // P = 0 (masked, or a row without gradient) gives dS = 0 exactly, whatever dP
   // is: an inf in V cannot leak into invisible positions as 0 * inf = NaN.
+  auto apply_slope = [&] {  // dS of the logits -> dS of Q K^T
+    if constexpr (kSlope) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ds[mf][nf][i] *= slope[mf][nf][i];
+    }
+  };
   if constexpr (Cfg::kGeneral) {
     if (in.seed != nullptr) {
       const DropoutKey dropout = make_dropout_key(in.seed, p.seed.col_stride, p.keep_threshold);
@@ -135,6 +173,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
         ds[mf][nf][i] = pv != 0.f ? pv * (dp - delta[mf][i >> 1]) : 0.f;
         pr[mf][nf][i] *= keep ? 1.f : 0.f;
       });
+      apply_slope();
       return;
     }
   }
@@ -147,6 +186,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
         const float pv = pr[mf][nf][i];
         ds[mf][nf][i] = pv != 0.f ? pv * (ds[mf][nf][i] - delta[mf][i >> 1]) : 0.f;
       }
+  apply_slope();
 }
 
 }  // namespace jaxflash::gpu

@@ -227,19 +227,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // exactly: an inf in V cannot leak in as 0 * inf = NaN.
         wgmma_wait<0>();
         hold_acc(dp);
-        // With dropout, element e of fragment nf is key row 8 (e / 2), query column e % 2.
-        const int64_t key = n0 + warp_key0 + frag_row(0, 0, lane);
+        // With dropout, element e of fragment nf is key row 8 (e / 2), query column
+        // e % 2: a lane's keys s and s + 8 are a pair of cuda/dropout.h (warp_key0 is
+        // a multiple of 16), one hash per query column.
+        const uint32_t key_pair = dropout_pair(n0 + warp_key0 + frag_row(0, 0, lane));
 #pragma unroll
         for (int nf = 0; nf < kSubM / 8; ++nf) {
           const int col = q0 + frag_col(nf, 0, lane);
           const float2 dl = *reinterpret_cast<const float2*>(delta + col);
-          const uint2 rk = Cfg::kDropout ? *reinterpret_cast<const uint2*>(tile_row_keys + col) : uint2{};
+          uint32_t bits[2] = {};
+          if constexpr (Cfg::kDropout) {
+            const uint2 rk = *reinterpret_cast<const uint2*>(tile_row_keys + col);
+            bits[0] = dropout_pair_bits(rk.x, key_pair);
+            bits[1] = dropout_pair_bits(rk.y, key_pair);
+          }
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float pv = s[0][nf][e];
             float dpv = dp[0][nf][e];
             if constexpr (Cfg::kDropout) {
-              const bool keep = dropout_bits(e & 1 ? rk.y : rk.x, key + 8 * (e >> 1)) < p.keep_threshold;
+              const bool keep = e < 2 ? dropout_keep_lower(bits[e & 1], p.keep_threshold)
+                                      : dropout_keep_upper(bits[e & 1], p.keep_threshold);
               dpv *= keep ? p.keep_scale : 0.f;  // products with 0: NaN stays NaN (primitives/dropout.h)
               s[0][nf][e] *= keep ? 1.f : 0.f;
             }

@@ -9,8 +9,10 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "arch.h"
 #include "instance.h"
@@ -100,10 +102,15 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   if (const cudaError_t err = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
       err != cudaSuccess)
     return err;
-  const bool d64 = p.head_dim == 64;
-  const int block_m = d64 ? FwdSm90TileSize<64>::kBlockM : FwdSm90TileSize<128>::kBlockM;
-  const int block_n = d64 ? FwdSm90TileSize<64>::kBlockN : FwdSm90TileSize<128>::kBlockN;
-  if ((d64 ? fwd_sm90_smem_bytes<64>() : fwd_sm90_smem_bytes<128>()) > smem_limit) return cudaSuccess;
+  // The covered head dims' tiles (tile_size.h).
+  auto tiles = [](auto d) {
+    using Tiles = FwdSm90TileSize<decltype(d)::value>;
+    return std::array<int, 3>{Tiles::kBlockM, Tiles::kBlockN, fwd_sm90_smem_bytes<decltype(d)::value>()};
+  };
+  const auto [block_m, block_n, smem] = p.head_dim == 64    ? tiles(std::integral_constant<int, 64>{})
+                                        : p.head_dim == 128 ? tiles(std::integral_constant<int, 128>{})
+                                                            : tiles(std::integral_constant<int, 256>{});
+  if (smem > smem_limit) return cudaSuccess;
   rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, block_m) &&
             encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, block_n) &&
             encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, block_n);
@@ -148,8 +155,9 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   FwdRuntime rt;
   rt.score_mul = p.scale * kLog2e;
   // The unfolded path takes the running max of raw scores, which commutes
-  // with the scaling only for scale > 0.
-  rt.fold_scale = has_bias || !(p.scale > 0.f);
+  // with the scaling only for scale > 0 (and with no soft-cap between them).
+  rt.fold_scale = has_bias || !(p.scale > 0.f) || p.softcap > 0.f;
+  rt.softcap2 = p.softcap * kLog2e;
   rt.exp_scale = rt.fold_scale ? 1.f : rt.score_mul;
   rt.p_shift = p.dtype == DType::kF16 ? 0.f : probability_shift(p.seqlen_k);
   rt.out_scale = p.has(kDropout) ? p.keep_scale : 1.f;

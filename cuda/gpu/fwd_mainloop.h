@@ -43,12 +43,16 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], co
                                            int row0, int n0, bool full, int lane) {
   using T = typename Cfg::T;
   if constexpr (Cfg::kGeneral) {
+    // The soft-cap acts on the scaled logits, before the bias (params.h).
+    const bool capped = rt.softcap2 > 0.f;
+    if (capped) soft_cap_scores(s, rt.score_mul, rt.softcap2);
     if (ops.bias != nullptr) {
       const ArrayView& v = p.bias;
+      const float mul = capped ? 1.f : rt.score_mul;
       auto add = [&](auto unit_col, auto* ptr) {
         using BiasT = std::remove_const_t<std::remove_pointer_t<decltype(ptr)>>;
         add_bias<decltype(unit_col)::value>(s, QueryKeyView<BiasT>{ptr, v.row_stride, v.col_stride}, row0, n0,
-                                            pos, rt.score_mul, lane);
+                                            pos, mul, lane);
       };
       // A unit column stride (the usual layout) gets immediate-offset loads.
       if (rt.bias_f32) {
@@ -58,7 +62,7 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], co
         if (v.col_stride == 1) add(std::true_type{}, static_cast<const T*>(ops.bias));
         else add(std::false_type{}, static_cast<const T*>(ops.bias));
       }
-    } else if (rt.fold_scale) {
+    } else if (rt.fold_scale && !capped) {
       scale_scores(s, rt.score_mul);
     }
   }

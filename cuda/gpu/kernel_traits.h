@@ -81,7 +81,8 @@ struct FwdRuntime {
   // unnormalised probability. Without a bias and with scale > 0 the raw Q.K^T
   // goes straight in (exp_scale = scale * log2 e, applied inside the FFMA of
   // the exp2). Otherwise the scores are first rewritten as
-  // s * score_mul + bias * log2 e (score_mul = scale * log2 e) and exp_scale = 1.
+  // s * score_mul + bias * log2 e (score_mul = scale * log2 e) and exp_scale = 1,
+  // soft-capped before the bias is added when there is a cap.
   float exp_scale;
   // P is computed as 2^-p_shift of the probability (params.h, probability_shift),
   // folded into the exp2's offset; 0 for fp16, whose max (65504) cannot overflow
@@ -89,6 +90,7 @@ struct FwdRuntime {
   float p_shift;
   float score_mul;
   bool fold_scale;
+  float softcap2;  // log2 e * logits_soft_cap (primitives/score.h), 0 without one (general variant)
   float out_scale;  // O's factor after normalisation: 1, or 1 / (1 - rate) with dropout
   bool bias_f32;  // bias is float32 rather than the input dtype
   // 16-byte-aligned rows (base, row and instance strides; for o in its output

@@ -43,9 +43,9 @@ struct FwdTileSize {
 
 namespace jaxflash::gpu {
 
-// The sm_90 forward (fwd_sm90_kernel.h): 16-bit types at D = 64 and 128 with
-// the fast variant's conditions (fwd_launch.h); other head dims run the
-// mma.sync kernel above. A CTA is a producer warpgroup and BLOCK_M / 64
+// The sm_90 forward (fwd_sm90_kernel.h): 16-bit types at D = 64, 128 and 256
+// with the fast variant's conditions (fwd_launch.h); other head dims run the
+// mma.sync kernel above (96 and 192 are not whole 64-column swizzle atoms). A CTA is a producer warpgroup and BLOCK_M / 64
 // consumer warpgroups of 64 query rows each (a wgmma's M).
 // BLOCK_N = 128 keys per tile: S is a 64 x 128 accumulator (64 registers per
 // thread) beside O (D / 2) and P as the next product's A operand (32).
@@ -57,8 +57,12 @@ namespace jaxflash::gpu {
 //            BLOCK_M = 128 (H200, self-test bench, 2 alternating rounds): 1.09 /
 //            1.19 / 1.21 at N = 1k / 4k / 16k, causal 1.02 / 1.14 / 1.20, although
 //            ptxas spills ~160 bytes at 160 registers.
+//   D = 256: BLOCK_M = 128, two consumers, BLOCK_N = 64: O is 128 registers per
+//            thread, so S shrinks to 32 (and P to 16); two stages of K and V at
+//            64 keys: (128 + 4 x 64) x 256 x 2 bytes = 192 KB. FlashAttention-3
+//            takes 80 keys there; wgmma_ss has N = 64 / 128 only.
 constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
-  return elem_bytes == 2 && (head_dim == 64 || head_dim == 128);
+  return elem_bytes == 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 //
@@ -68,14 +72,15 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
 // still with two consumers then, they cost 2-4% at N >= 4k; with three there
 // are no turns.
 //
-// Tried and not kept: a persistent grid (branch sm90-persistent): D = 64
-// gained 14% at N = 1k, but D = 128 lost 10-30% to spills in the consumers.
+// Tried and not kept: a persistent grid with a static order of the tiles
+// (branch sm90-persistent-2): 0.82-1.05 of this grid on the H100, behind under
+// causal masking (docs/DESIGN.md's known gaps).
 template <int D>
 struct FwdSm90TileSize {
   static constexpr int kBlockM = D == 64 ? 192 : 128;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = D == 256 ? 64 : 128;
   static constexpr int kStages = 2;
-  static constexpr bool kPingPong = D == 128;
+  static constexpr bool kPingPong = D != 64;  // two consumers take turns
 };
 
 // Its shared memory: Q, kStages K and V tiles, the mbarriers and 1 KB to

@@ -1,7 +1,8 @@
-// Attention dropout on C fragments (warp_gemm.h's layout): the keep decision of
-// cuda/dropout.h for each score a lane holds. A lane's rows are few (2 per m16
-// fragment), so their keys are hashed once per block of rows; each entry then
-// costs one more hash.
+// Attention dropout on C fragments (warp_gemm.h's layout): the keep decisions
+// of cuda/dropout.h for the scores a lane holds. A lane's rows are few (2 per
+// m16 fragment), so their keys are hashed once per block of rows; a lane holds
+// keys s and s + 8 of each row in fragments 2j and 2j + 1, the pair one hash
+// decides.
 #pragma once
 
 #include <cstdint>
@@ -25,20 +26,40 @@ struct FragRowKeys {
 };
 
 // f(mf, nf, i, keep) for every score of the lane's block (NF n8 fragments wide)
-// whose first key is col0.
+// whose first key is col0, a multiple of 16 when NF is even (the callers' tile
+// and warp origins), so that fragments 2j and 2j + 1 hold each pair's lower and
+// upper keys. (An odd NF, the float32 D = 192 / 256 backward's 8-column warps,
+// decides each score alone.)
 template <int NF, int MF, class F>
 __device__ __forceinline__ void for_each_dropout_decision(const DropoutKey& dropout, const FragRowKeys<MF>& rows,
                                                           int64_t col0, int lane, F&& f) {
+  if constexpr (NF % 2 == 0) {
 #pragma unroll
-  for (int nf = 0; nf < NF; ++nf)
+    for (int j = 0; j < NF / 2; ++j)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t col = col0 + frag_col(nf, c, lane);
+      for (int c = 0; c < 2; ++c) {
+        const uint32_t pair = dropout_pair(col0 + frag_col(2 * j, c, lane));
 #pragma unroll
-      for (int mf = 0; mf < MF; ++mf)
+        for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) f(mf, nf, 2 * h + c, dropout.keep(rows.key[mf][h], col));
-    }
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t bits = dropout_pair_bits(rows.key[mf][h], pair);
+            f(mf, 2 * j, 2 * h + c, dropout_keep_lower(bits, dropout.threshold));
+            f(mf, 2 * j + 1, 2 * h + c, dropout_keep_upper(bits, dropout.threshold));
+          }
+      }
+  } else {
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t col = col0 + frag_col(nf, c, lane);
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) f(mf, nf, 2 * h + c, dropout.keep(rows.key[mf][h], col));
+      }
+  }
 }
 
 // P of the forward: the dropped entries become P * 0 (kept ones are scaled once,

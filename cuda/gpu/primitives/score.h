@@ -31,6 +31,20 @@ __device__ __forceinline__ void scale_scores(float (&s)[MF][NF][4], float mul) {
       for (int i = 0; i < 4; ++i) s[mf][nf][i] *= mul;
 }
 
+// The logit soft-cap (params.h) in the scores' base-2 units: s <- c tanh(s mul / c),
+// c = log2 e * cap, so that mul (scale * log2 e) turns raw Q.K^T into base-2 logits
+// first. tanhf, not tanh.approx: float32 callers need its accuracy.
+template <int MF, int NF>
+__device__ __forceinline__ void soft_cap_scores(float (&s)[MF][NF][4], float mul, float cap2) {
+  const float in_mul = mul / cap2;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mf][nf][i] = cap2 * tanhf(s[mf][nf][i] * in_mul);
+}
+
 // Calls f(mf, nf, i, inside, ptr) for each score element of the warp's block,
 // ptr addressing the matching element of a (query, key) operand. `inside` is
 // false outside [0, rows) x [0, cols): f must not read there, since those

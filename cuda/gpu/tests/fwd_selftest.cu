@@ -337,6 +337,10 @@ int main(int argc, char** argv) {
       {"f16 lens + causal T300 S290 H128", f16, 3, 4, 2, 300, 290, 128, kUnb, 0, false, Bias::kNone, Mask::kNone,
        true},
       {"bf16 T130 S257 H200 (D256)", bf16, 1, 2, 2, 130, 257, 200},
+      // D = 256 at 16 bits: the sm_90 kernel on Hopper (64-key tiles).
+      {"bf16 causal GQA N4 K2 T300 S333 H256", bf16, 2, 4, 2, 300, 333, 256, kUnb, 0},
+      {"f16 lens T200 S257 H256", f16, 3, 2, 2, 200, 257, 256, kUnb, kUnb, false, Bias::kNone, Mask::kNone,
+       true},
       {"f16 causal T64 S129 H160 (D192)", f16, 2, 2, 1, 64, 129, 160, kUnb, 0},
       {"bf16 BNTH q/o T256 S512 H128", bf16, 2, 2, 2, 256, 512, 128, kUnb, kUnb, false, Bias::kNone, Mask::kNone,
        false, Layout::kBNTH},
