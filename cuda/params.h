@@ -37,6 +37,7 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   delta                       : row = query position,    col unused
 //   q_lens, kv_lens             : instance strides only
 //   seed                        : col = word (2 uint32 per instance), no rows
+//   q_segment_ids, kv_segment_ids : row = query / key position, no cols
 // data == nullptr means the operand is absent.
 struct ArrayView {
   void* data = nullptr;
@@ -60,6 +61,9 @@ enum Flags : int64_t {
   // asks for; ignored for 16-bit dtypes, whose operands are exact in the MMA already.
   kExactF32 = 1 << 8,
   kDropout = 1 << 9,  // attention dropout on P (see dropout.h); needs seed
+  // q_segment_ids and kv_segment_ids (packed sequences): key s is visible from query t only
+  // if their ids are equal (segment_visible below).
+  kHasSegmentIds = 1 << 10,
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -113,6 +117,7 @@ struct AttentionParams {
   // Forward operands and results.
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
   ArrayView seed;                                  // uint32: the dropout seed of each instance
+  ArrayView q_segment_ids, kv_segment_ids;         // int32, one id per query / key position
   // lse: float32, in base 2, as an unevaluated sum of two floats per row, col 0 = hi and
   // col 1 = lo: hi + lo = log2 Σ_s 2^(log2(e)·logit) exactly as the forward formed it
   // (LseSplit below); hi = -inf, lo = 0 for a row that sees no key. The backward
@@ -204,6 +209,40 @@ JF_HOST_DEVICE bool position_visible(const AttentionParams& p, const InstanceBou
   if (p.window_right != kUnbounded && d > p.window_right) return false;
   return true;
 }
+
+// The segment ids of one instance (null without kHasSegmentIds), and whether query t's and key
+// s's ids are equal, the packed-sequence mask; like the dense mask, it is applied on top of the
+// positional visibility.
+struct SegmentIds {
+  const int32_t* q = nullptr;   // instance base; element t at t * q_stride
+  const int32_t* kv = nullptr;  // instance base; element s at s * kv_stride
+  int64_t q_stride = 0, kv_stride = 0;
+
+  JF_HOST_DEVICE int32_t query(int64_t t) const { return q[t * q_stride]; }
+  JF_HOST_DEVICE int32_t key(int64_t s) const { return kv[s * kv_stride]; }
+  JF_HOST_DEVICE bool visible(int64_t t, int64_t s) const { return !q || query(t) == key(s); }
+};
+
+JF_HOST_DEVICE SegmentIds segment_ids(const AttentionParams& p, int64_t linear) {
+  SegmentIds ids;
+  if (!p.has(kHasSegmentIds)) return ids;
+  ids.q = static_cast<const int32_t*>(p.q_segment_ids.data) + instance_offset(p, p.q_segment_ids, linear);
+  ids.kv = static_cast<const int32_t*>(p.kv_segment_ids.data) + instance_offset(p, p.kv_segment_ids, linear);
+  ids.q_stride = p.q_segment_ids.row_stride;
+  ids.kv_stride = p.kv_segment_ids.row_stride;
+  return ids;
+}
+
+// The range of ids [lo, hi] of a run of rows (queries or keys); two tiles whose ranges do not
+// overlap have no pair of equal ids, so no visible pair: the kernels skip them whole.
+struct IdRange {
+  int32_t lo, hi;
+  JF_HOST_DEVICE bool meets(const IdRange& other) const { return lo <= other.hi && other.lo <= hi; }
+  // One id on both sides: every pair matches, so no element needs the test.
+  JF_HOST_DEVICE bool all_equal(const IdRange& other) const {
+    return lo == hi && other.lo == other.hi && lo == other.lo;
+  }
+};
 
 // Half-open key range [lo, hi) that rows [t0, t1) can see by position; the
 // tiles outside it are skipped entirely. Empty when lo >= hi.

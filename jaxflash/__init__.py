@@ -11,6 +11,8 @@ Public API:
   ``jax.shard_map`` (ring attention); ``jaxflash.zigzag_order`` lays a sequence out in the
   order that balances causal attention over the ring. Under ``jax.jit``, ``attention`` itself
   splits over the devices its operands are sharded on (batch, heads, sequence).
+- ``jaxflash.segment_ids_from_lengths``: packed sequences' segment ids (``attention``'s
+  ``query_segment_ids`` / ``key_value_segment_ids``) from the lengths of each row's documents.
 - ``jaxflash.dropout_mask``: the boolean keep-mask that attention dropout applies for a key,
   for debugging and reference implementations.
 - ``jaxflash.backends()``: the platforms this build has kernels for.
@@ -27,6 +29,7 @@ from jaxflash.attention import attention, ring_attention
 from jaxflash.dropout import dropout_mask
 from jaxflash.flax_adapter import flax_attention
 from jaxflash.kernels import PLATFORMS
+from jaxflash.packing import segment_ids_from_lengths
 from jaxflash.ring import zigzag_order
 
 
@@ -42,4 +45,4 @@ def backends() -> tuple[str, ...]:
 
 
 __all__ = ["attention", "backends", "dropout_mask", "flax_attention", "ring_attention",
-           "zigzag_order", "__version__"]
+           "segment_ids_from_lengths", "zigzag_order", "__version__"]

@@ -20,7 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jaxflash import primitives
 from jaxflash import ring as ring_lib
-from jaxflash.contract import Flag, KernelConfig, absent
+from jaxflash.contract import OPTIONAL_INPUTS, Flag, KernelConfig, absent
 from jaxflash.layout import Layout, drop_col
 from jaxflash.validation import validate, validate_ring
 
@@ -32,7 +32,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
               mask_alignment: Literal["top_left", "bottom_right"] = "top_left",
               precision: str | jax.lax.Precision | None = None, dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, broadcast_dropout: bool = False,
-              logits_soft_cap: float | None = None):
+              logits_soft_cap: float | None = None, query_segment_ids=None,
+              key_value_segment_ids=None):
   r"""Scaled dot-product attention, computed by jaxflash's FlashAttention kernels.
 
   Same arguments, shapes and semantics as :func:`jax.nn.dot_product_attention`:
@@ -86,6 +87,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       masks apply (Gemma 2's soft-capping; FlashAttention's ``softcap``,
       tokamax's ``logits_soft_cap``). On CUDA it runs in the general kernels
       (not yet the Hopper-specific ones).
+    query_segment_ids, key_value_segment_ids: packed sequences: int32 ``(B, T)`` and
+      ``(B, S)`` (``(T,)`` and ``(S,)`` for 3-D inputs and a single head); query ``t`` sees key
+      ``s`` only if ``query_segment_ids[b, t] == key_value_segment_ids[b, s]``, on top of every
+      other mask (as a boolean mask would combine with them in jax.nn). Both or neither; for
+      self-attention pass the same array twice. Ids are any int32 values (not necessarily
+      sorted or contiguous), but key tiles are skipped only where the ids' ranges do not meet,
+      so documents numbered in order along the row are fastest.
+      :func:`jaxflash.segment_ids_from_lengths` builds them from document lengths. Pallas
+      splash attention's and Transformer Engine's name; FlashAttention's varlen
+      ``cu_seqlens`` are the cumulative document lengths of the same packing.
 
   Returns:
     The attention output, shaped like ``query``; with ``return_residual``, a
@@ -102,13 +113,14 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
                   local_window_size=local_window_size, implementation=implementation,
                   return_residual=return_residual, mask_alignment=mask_alignment,
                   precision=precision, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                  broadcast_dropout=broadcast_dropout, logits_soft_cap=logits_soft_cap)
+                  broadcast_dropout=broadcast_dropout, logits_soft_cap=logits_soft_cap,
+                  query_segment_ids=query_segment_ids,
+                  key_value_segment_ids=key_value_segment_ids)
   if call.is_empty:
     out = jnp.zeros(call.q.shape, call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
   else:
-    out, lse = _flash(call.q, call.k, call.v, call.bias, call.mask, call.q_lens, call.kv_lens,
-                      call.seed, call.config)
+    out, lse = _flash(call.q, call.k, call.v, call.optional_operands(), call.config)
     lse = lse.astype(call.q.dtype)
   return (out, lse) if return_residual else out
 
@@ -122,16 +134,14 @@ class _WantDbias:
   value: bool
 
 
-def _optional_operands(bias, mask, q_lens, kv_lens, seed, dtype):
-  """bias, mask, q_lens, kv_lens, seed with zero-size placeholders for the absent ones."""
-  return tuple(absent(slot, dtype) if x is None else x
-               for x, slot in ((bias, "bias"), (mask, "mask"), (q_lens, "q_lens"),
-                               (kv_lens, "kv_lens"), (seed, "seed")))
+def _with_placeholders(optional, dtype):
+  """The optional operands (contract.OPTIONAL_INPUTS order) with zero-size placeholders for the
+  absent ones."""
+  return tuple(absent(slot, dtype) if x is None else x for x, slot in zip(optional, OPTIONAL_INPUTS))
 
 
-def _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
-  return primitives.forward_p.bind(
-      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), config=config)
+def _bind_forward(q, k, v, optional, config):
+  return primitives.forward_p.bind(q, k, v, *_with_placeholders(optional, q.dtype), config=config)
 
 
 def _natural(lse2):
@@ -141,24 +151,29 @@ def _natural(lse2):
   return lse2[..., 0] * np.float32(np.log(2.0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
-  out, lse2 = _bind_forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config)
+# `optional`: the OPTIONAL_INPUTS (bias, mask, lengths, dropout seed, segment ids), None where
+# absent. Only the bias among them is differentiable; the others get no cotangent (None).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, optional, config):
+  out, lse2 = _bind_forward(q, k, v, optional, config)
   return out, _natural(lse2)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
-  values = [x.value if x is not None else None
-            for x in (q, k, v, bias, mask, q_lens, kv_lens, seed)]
+def _flash_fwd(q, k, v, optional, config):
+  values = [x.value for x in (q, k, v)]
+  optional_values = tuple(x.value if x is not None else None for x in optional)
   # The output stays float32 as the backward's residual (see delta in _flash_bwd).
-  out32, lse2 = _bind_forward(*values, config.replace(flags=config.flags | Flag.OUTPUT_F32))
+  out32, lse2 = _bind_forward(*values, optional_values,
+                              config.replace(flags=config.flags | Flag.OUTPUT_F32))
+  bias = optional[0]
   want_dbias = bias is not None and bias.perturbed
   return ((out32.astype(values[0].dtype), _natural(lse2)),
-          (tuple(values), out32, lse2, _WantDbias(want_dbias)))
+          ((*values, optional_values), out32, lse2, _WantDbias(want_dbias)))
 
 
 def _flash_bwd(config, residuals, cotangents):
-  (q, k, v, bias, mask, q_lens, kv_lens, seed), out32, lse2, want_dbias = residuals
+  (q, k, v, optional), out32, lse2, want_dbias = residuals
+  bias = optional[0]
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
@@ -177,11 +192,12 @@ def _flash_bwd(config, residuals, cotangents):
     flags |= Flag.HAS_DBIAS
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
   dq, dk, dv, dbias = primitives.backward_p.bind(
-      q, k, v, *_optional_operands(bias, mask, q_lens, kv_lens, seed, q.dtype), lse2, delta,
-      d_out.astype(q.dtype), config=bwd_config)
+      q, k, v, *_with_placeholders(optional, q.dtype), lse2, delta, d_out.astype(q.dtype),
+      config=bwd_config)
   if closed_form_dbias:
     dbias = _row_shift_gradient(d_lse, lse2[..., 0], bias)
-  return dq, dk, dv, (dbias if want_dbias.value else None), None, None, None, None
+  d_optional = ((dbias if want_dbias.value else None),) + (None,) * (len(optional) - 1)
+  return dq, dk, dv, d_optional
 
 
 def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:

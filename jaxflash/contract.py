@@ -34,6 +34,7 @@ class Flag(enum.IntFlag):
   OUTPUT_F32 = 1 << 7  # forward: o in float32 whatever the dtype (the backward's residual)
   EXACT_F32 = 1 << 8  # float32 inputs: float32-accurate products (3xTF32 on CUDA), not tf32
   DROPOUT = 1 << 9  # attention dropout on P, decided from the seed operand
+  HAS_SEGMENT_IDS = 1 << 10  # q_segment_ids and kv_segment_ids: a key is seen from equal ids only
 
 
 UNBOUNDED = -1  # kUnbounded: an open side of the attention window
@@ -43,7 +44,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 # The operand slots of the "strides" attribute, in the order of enum Slot (decode.h).
 SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
-         "d_o", "delta", "dq", "dk", "dv", "dbias", "seed")
+         "d_o", "delta", "dq", "dk", "dv", "dbias", "seed", "q_segment_ids", "kv_segment_ids")
 
 # kMaxInstanceDims. Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8
@@ -56,20 +57,25 @@ CUDA_MAX_SEQLEN = 2**28
 DROPOUT_RESOLUTION = 2**16
 
 # The kernel primitives' operands and results, in the order the FFI handlers bind them.
-FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed")
+FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q_segment_ids",
+                  "kv_segment_ids")
+# The optional ones, which absent placeholders stand in for (jaxflash/attention.py binds them).
+OPTIONAL_INPUTS = FORWARD_INPUTS[3:]
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
 FORWARD_RESULTS = ("o", "lse")
 BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
 
 # The slots whose ROW axis runs along the query positions; the other slots with a
 # ROW axis (k, v, dk, dv) run along the key positions (view_extent in decode.h).
-QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias")
+QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias",
+                   "q_segment_ids")
 # The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
 # axis must be minor-most in memory.
 COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
 # The element types the handlers expect of the optional operands that are not in the
 # query's dtype (XLA's PRED, S32, U32); an absent one is a zero-size array.
-ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32}
+ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32,
+                 "q_segment_ids": jnp.int32, "kv_segment_ids": jnp.int32}
 
 
 def absent(slot: str, dtype) -> jax.Array:

@@ -14,6 +14,16 @@ queries and keys, a causal mask, or both), the kernels get ``is_causal`` and the
 lengths instead, which skip whole tiles; any other mask reaches them as it is. The choice is a
 ``lax.switch`` on that result: both kernels are compiled, one runs (under ``vmap`` of the
 whole call the switch becomes a select, and both run).
+
+Packed sequences. Flax modules have no segment-id argument, so a block-diagonal (document)
+mask arrives dense. ``flax_attention`` takes ``query_segment_ids`` / ``key_value_segment_ids``
+itself (bind them per call, e.g. ``functools.partial(jaxflash.flax_attention,
+query_segment_ids=ids, key_value_segment_ids=ids)`` as the module's ``attention_fn``), and
+then combines them with whatever mask the module passes. A block-diagonal mask is not yet
+recognised and turned into ids: that is possible on the device in the same pass as the
+classification above (ids from where each row's diagonal neighbour is masked, checked
+against the whole mask), but lax.switch lowers every branch, and the segment-id branch would
+then fail to lower on a GPU, whose kernels do not have segment ids yet.
 """
 
 from __future__ import annotations
@@ -73,11 +83,20 @@ def _merge_batch(x, batch_shape, name):
   return x.reshape((math.prod(batch_shape),) + x.shape[-3:])
 
 
+def _merge_batch_ids(ids, batch_shape):
+  """(batch..., length) segment ids -> (prod(batch), length), as _merge_batch merges q/k/v."""
+  if ids is None or jnp.ndim(ids) != len(batch_shape) + 1:
+    return ids  # None, or a shape jaxflash.attention refuses by name
+  ids = jnp.asarray(ids)
+  return ids.reshape((math.prod(batch_shape), ids.shape[-1]))
+
+
 def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                    dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
                    dtype=None, precision=None, module=None, is_causal: bool = False,
                    force_fp32_for_softmax: bool = False, qk_attn_weights_einsum=None,
-                   attn_weights_value_einsum=None, logits_soft_cap: float | None = None):
+                   attn_weights_value_einsum=None, logits_soft_cap: float | None = None,
+                   query_segment_ids=None, key_value_segment_ids=None):
   """Attention in Flax's ``attention_fn`` convention, computed by jaxflash's kernels.
 
   Use it as ``nnx.MultiHeadAttention(..., attention_fn=jaxflash.flax_attention)`` or
@@ -105,6 +124,9 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
       the kernels: anything but None raises.
     logits_soft_cap: :func:`jaxflash.attention`'s (not a Flax argument: bind it with
       ``functools.partial(jaxflash.flax_attention, logits_soft_cap=50.0)``).
+    query_segment_ids, key_value_segment_ids: packed sequences, :func:`jaxflash.attention`'s,
+      shaped ``(batch..., T)`` and ``(batch..., S)`` (not Flax arguments: bind them with
+      ``functools.partial`` for the call; see the module docstring). Combined with ``mask``.
 
   Returns:
     ``(batch..., T, N, H)`` in the query's dtype (``dtype`` when given).
@@ -135,6 +157,10 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     mask = mask if mask.dtype == jnp.bool_ else mask != 0
     mask = _merge_batch(mask, batch_shape, "mask") if mask.ndim > 3 else mask
   options = dict(precision=_precision_name(precision), logits_soft_cap=logits_soft_cap)
+  if query_segment_ids is not None or key_value_segment_ids is not None:
+    # jaxflash.attention checks them (both given, integer, their shapes) on the merged batch.
+    options.update(query_segment_ids=_merge_batch_ids(query_segment_ids, batch_shape),
+                   key_value_segment_ids=_merge_batch_ids(key_value_segment_ids, batch_shape))
   if dropout_rate > 0.0 and not deterministic:
     options.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=bool(broadcast_dropout))

@@ -1,7 +1,9 @@
 """The kernel primitives: one custom call per direction, on the arrays one device holds.
 
-``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed) -> (o, lse)
-``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
+``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
+                          q_segment_ids, kv_segment_ids) -> (o, lse)
+``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
+                          q_segment_ids, kv_segment_ids, lse, delta, d_o)
                          -> (dq, dk, dv, dbias, workspace)
 
 lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
@@ -152,9 +154,16 @@ def _lowering(target: str):
   return rule
 
 
-def _check_cuda_positions(config: KernelConfig) -> None:
-  """The CUDA kernels hold positions in 32 bits (contract.CUDA_MAX_SEQLEN): a longer sequence
-  is refused here, when the call is lowered for a GPU, rather than by the kernel at run time."""
+def _check_cuda_call(config: KernelConfig) -> None:
+  """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
+  by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
+  contract.CUDA_MAX_SEQLEN) and segment ids (not in the CUDA kernels yet)."""
+  if config.has(Flag.HAS_SEGMENT_IDS):
+    raise NotImplementedError(
+        "jaxflash.attention: query_segment_ids / key_value_segment_ids run on the CPU kernels "
+        "only for now; the CUDA kernels do not have them yet (a dense boolean mask of the "
+        "same packing works on the GPU: mask=(q_ids[:, None, :, None] == kv_ids[:, None, "
+        "None, :])).")
   T, S, _ = config.seq_dims
   for what, n in (("query sequence length (query.shape[-3])", T),
                   ("key/value sequence length (key.shape[-3])", S),
@@ -171,7 +180,7 @@ def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
   its strides follow that layout: XLA then transposes it around the call, on CUDA only and
   only in that case (the batching rules stay copy-free on every platform)."""
   def rule(ctx, *args, config):
-    _check_cuda_positions(config)
+    _check_cuda_call(config)
     orders = config.col_minor_orders()
     if not orders:
       return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())

@@ -279,7 +279,7 @@ def _reorder(ring: ring_lib.Ring, x, slot: str, permute):
 
 def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
   """Ring attention on contiguous sequence shards (permuted to zig-zag order and back)."""
-  del absent  # bias, mask, q_lens, kv_lens, seed: ring_lib.unsupported
+  del absent  # bias, mask, q_lens, kv_lens, seed, segment ids: ring_lib.unsupported
   q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
   o32, lse = ring_lib.forward(q, k, v, ring)
   o = o32 if ring.config.has(Flag.OUTPUT_F32) else o32.astype(q.dtype)
@@ -287,8 +287,10 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
           _reorder(ring, lse, "lse", ring_lib.from_zigzag))
 
 
-def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o):
-  del bias, mask, q_lens, kv_lens, seed  # absent: ring_lib.unsupported
+def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
+                   kv_segment_ids, lse, delta, d_o):
+  # absent: ring_lib.unsupported
+  del bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids
   operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
   grads = ring_lib.backward(*operands, ring)
@@ -305,14 +307,16 @@ def _infer(slots: Sequence[str], results: Sequence[str]):
   return infer
 
 
-def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, config):
+def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, config):
   return tuple(kernels.forward_kernel_p.bind(q, k, v, bias, mask, q_lens, kv_lens, seed,
-                                             config=config))
+                                             q_segment_ids, kv_segment_ids, config=config))
 
 
-def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o, config):
+def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, lse,
+              delta, d_o, config):
   *grads, _workspace = kernels.backward_kernel_p.bind(
-      q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o, config=config)
+      q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, lse, delta, d_o,
+      config=config)
   return tuple(grads)
 
 

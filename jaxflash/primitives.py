@@ -1,7 +1,9 @@
 """The forward and backward attention primitives that jaxflash.attention binds.
 
-``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed) -> (o, lse)
-``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, lse, delta, d_o)
+``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
+                   kv_segment_ids) -> (o, lse)
+``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
+                  kv_segment_ids, lse, delta, d_o)
                   -> (dq, dk, dv, dbias)
 
 lse is the kernels' base-2 logsumexp (jaxflash/kernels.py). They describe the

@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import kernels
-from jaxflash.contract import QUERY_ROW_SLOTS, UNBOUNDED, Flag, KernelConfig, absent
+from jaxflash.contract import (OPTIONAL_INPUTS, QUERY_ROW_SLOTS, UNBOUNDED, Flag, KernelConfig,
+                               absent)
 from jaxflash.layout import COL, ROW, Layout, role_axis, shape_of, with_rows
 
 Order = Literal["contiguous", "zigzag"]
@@ -61,7 +62,8 @@ def unsupported(config: KernelConfig) -> str | None:
   """Why ring attention cannot compute this call, or None if it can."""
   T, S, _ = config.seq_dims
   for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("q_lens", "query_seq_lengths"),
-                     ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout")):
+                     ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout"),
+                     ("q_segment_ids", "segment ids")):
     if config.layout(slot) is not None:
       return f"{what} is not supported yet"
   if config.window != OPEN and T != S:
@@ -232,7 +234,7 @@ def _pad_rows(x, layout: Layout, start: int, total: int, value):
 
 
 def _absent_operands(dtype):
-  return tuple(absent(slot, dtype) for slot in ("bias", "mask", "q_lens", "kv_lens", "seed"))
+  return tuple(absent(slot, dtype) for slot in OPTIONAL_INPUTS)
 
 
 def _zeros(layout: Layout, rows: int):

@@ -27,8 +27,9 @@ MAX_HEAD_DIM = 256
 @dataclasses.dataclass
 class Call:
   """A validated call: the operands as the kernels take them (None: absent; the bias in the
-  query dtype or float32, the lengths in int32, the dropout's seed words), the static config,
-  and whether the result is empty (a zero-size axis), which the kernels are not called for."""
+  query dtype or float32, the lengths and segment ids in int32, the dropout's seed words), the
+  static config, and whether the result is empty (a zero-size axis), which the kernels are not
+  called for."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -37,8 +38,15 @@ class Call:
   q_lens: jax.Array | None
   kv_lens: jax.Array | None
   seed: jax.Array | None
+  q_segment_ids: jax.Array | None
+  kv_segment_ids: jax.Array | None
   config: KernelConfig
   is_empty: bool
+
+  def optional_operands(self) -> tuple[jax.Array | None, ...]:
+    """The optional operands in the kernels' order (contract.OPTIONAL_INPUTS)."""
+    return (self.bias, self.mask, self.q_lens, self.kv_lens, self.seed, self.q_segment_ids,
+            self.kv_segment_ids)
 
 
 def _shape_str(x) -> str:
@@ -56,7 +64,7 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
              implementation=None, return_residual=False, mask_alignment="top_left",
              precision=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
-             logits_soft_cap=None) -> Call:
+             logits_soft_cap=None, query_segment_ids=None, key_value_segment_ids=None) -> Call:
   """jaxflash.attention's arguments (the defaults are its own) checked and turned into a Call.
   Raises TypeError or ValueError naming the argument, what was given and what is allowed."""
   if implementation is not None:
@@ -178,6 +186,29 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   q_lens, q_lens_layout = lengths(query_seq_lengths, "query_seq_lengths")
   kv_lens, kv_lens_layout = lengths(key_value_seq_lengths, "key_value_seq_lengths")
 
+  if (query_segment_ids is None) != (key_value_segment_ids is None):
+    given, missing = (("query_segment_ids", "key_value_segment_ids")
+                      if key_value_segment_ids is None else
+                      ("key_value_segment_ids", "query_segment_ids"))
+    raise ValueError(f"jaxflash.attention: {given} was given without {missing}; pass both (a "
+                     f"query sees a key only where their ids are equal; for self-attention pass "
+                     f"the same array twice)")
+
+  def segment_ids(x, name: str, length: int, length_name: str):
+    if x is None:
+      return None, None
+    x = _segment_id_array(x, name)
+    allowed = ((B, length),) if rank == 4 else ((length,), (1, length))
+    if x.shape not in allowed:
+      want = (f"shape ({B}, {length}) (batch, {length_name})" if rank == 4 else
+              f"shape ({length},) or (1, {length}) ({length_name})")
+      raise ValueError(f"jaxflash.attention: {name} must have {want}, got {_shape_str(x)}")
+    roles = ((batch_role, ROW) if rank == 4 else (((), ROW) if x.ndim == 2 else (ROW,)))
+    return x, tuple(zip(roles, x.shape))
+
+  q_ids, q_ids_layout = segment_ids(query_segment_ids, "query_segment_ids", T, "T")
+  kv_ids, kv_ids_layout = segment_ids(key_value_segment_ids, "key_value_segment_ids", S, "S")
+
   window = _window(local_window_size, is_causal)
   scale = _scale(scale, H)
   softcap = _soft_cap(logits_soft_cap)
@@ -192,7 +223,9 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   for name, layout, flag in (("bias", bias_layout, Flag.HAS_BIAS),
                              ("mask", mask_layout, Flag.HAS_MASK),
                              ("q_lens", q_lens_layout, Flag.HAS_Q_LENS),
-                             ("kv_lens", kv_lens_layout, Flag.HAS_KV_LENS)):
+                             ("kv_lens", kv_lens_layout, Flag.HAS_KV_LENS),
+                             ("q_segment_ids", q_ids_layout, Flag.HAS_SEGMENT_IDS),
+                             ("kv_segment_ids", kv_ids_layout, Flag.HAS_SEGMENT_IDS)):
     if layout is not None:
       layouts[name] = layout
       flags |= flag
@@ -213,7 +246,7 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
                         seq_dims=(T, S, H), scale=scale, window=window, flags=flags,
                         keep_threshold=keep_threshold, keep_scale=keep_scale, softcap=softcap)
-  return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, config, is_empty)
+  return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, q_ids, kv_ids, config, is_empty)
 
 
 def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_window_size, order,
@@ -286,8 +319,8 @@ _INT32_LIMIT = 2**31
 
 
 def _check_int32_values(x, name: str) -> None:
-  """Concrete lengths (NumPy arrays, Python ints or lists) of any integer type are taken when
-  their values fit in int32; jnp.asarray would otherwise wrap them silently (2**32 + 5 -> 5)."""
+  """Concrete lengths or segment ids (NumPy arrays, Python ints or lists) of any integer type
+  are taken when their values fit in int32; jnp.asarray would otherwise wrap them silently (2**32 + 5 -> 5)."""
   try:
     values = np.asarray(x)
   except (OverflowError, TypeError, ValueError):
@@ -300,6 +333,32 @@ def _check_int32_values(x, name: str) -> None:
   if low < -_INT32_LIMIT or high >= _INT32_LIMIT:
     raise ValueError(f"jaxflash.attention: {name} must fit in int32 (as jax.nn requires), "
                      f"got values from {low} to {high}")
+
+
+# Integer dtypes whose every value int32 holds, so that casting keeps distinct ids distinct.
+_NARROW_INTS = (jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16)
+
+
+def _segment_id_array(x, name: str) -> jax.Array:
+  """Segment ids as int32. Any integer dtype that int32 holds is cast; a wider one (int64 under
+  x64, uint32) is taken when its values can be checked here (a NumPy array, a list, a JAX
+  array that is not traced) and fit, since a wrapping cast could make two different ids
+  equal. Floats and bools are refused: ids are compared for equality."""
+  if isinstance(x, jax.core.Tracer):
+    if x.dtype not in _NARROW_INTS and jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"jaxflash.attention: {name} must be int32 (or a narrower integer type) "
+                      f"when traced, got {x.dtype}: a traced array's values cannot be checked "
+                      f"to fit in int32; cast it with .astype(jnp.int32) if they do")
+  elif isinstance(x, jax.Array):
+    if x.dtype not in _NARROW_INTS:
+      _check_int32_values(np.asarray(x), name)
+  else:  # host values: checked before jnp.asarray could wrap them
+    _check_int32_values(x, name)
+  x = _as_array(x, name)
+  if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"jaxflash.attention: {name} must be an integer array (int32; ids are "
+                    f"compared for equality), got {x.dtype}")
+  return x.astype(jnp.int32)
 
 
 def _window(local_window_size, is_causal) -> tuple[int, int]:

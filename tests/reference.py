@@ -69,7 +69,10 @@ SAME_KERNEL_TOL = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-3), "bfloat16":
 
 GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias"}
 DIFFERENTIABLE = ("query", "key", "value", "bias")
-NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths", "dropout_rng")
+NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths", "dropout_rng",
+                      "query_segment_ids", "key_value_segment_ids")
+# Passed to the attention function under test only where given: not every one takes them.
+ONLY_WHERE_GIVEN = ("dropout_rng", "query_segment_ids", "key_value_segment_ids")
 
 
 def dtype_name(dtype) -> str:
@@ -142,14 +145,25 @@ def _normalise_window(local_window_size):
   return tuple(local_window_size)
 
 
+def segment_mask(query_segment_ids, key_value_segment_ids, batch: int):
+  """Bool (B, 1, T, S): the packed-sequence mask, query and key ids equal; None without ids.
+  Ids of 3-D / single-head calls ((T,) or (1, T)) get the batch axis of size 1."""
+  if query_segment_ids is None:
+    return None
+  q_ids = jnp.reshape(jnp.asarray(query_segment_ids), (batch, -1))
+  kv_ids = jnp.reshape(jnp.asarray(key_value_segment_ids), (batch, -1))
+  return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+
+
 def visibility(query_shape, key_shape, mask4=None, *, is_causal=False, local_window_size=None,
-               query_seq_lengths=None, key_value_seq_lengths=None, mask_alignment="top_left"):
+               query_seq_lengths=None, key_value_seq_lengths=None, mask_alignment="top_left",
+               query_segment_ids=None, key_value_segment_ids=None):
   """Bool (B, N, T, S): whether key s is visible from query t, from every masking input.
 
-  Key s is visible from query t iff t < q_len, s < kv_len, the dense mask allows it, and
-  -left <= s - t - offset <= right, where causal means right = 0 and offset is 0 for
-  "top_left" (jax.nn) or kv_len - q_len for "bottom_right"; q_len and kv_len default to T and
-  S. This is the contract's definition written independently of jax.nn, and in the top-left
+  Key s is visible from query t iff t < q_len, s < kv_len, the dense mask allows it, the
+  segment ids of t and s are equal (when given), and -left <= s - t - offset <= right, where
+  causal means right = 0 and offset is 0 for "top_left" (jax.nn) or kv_len - q_len for
+  "bottom_right"; q_len and kv_len default to T and S. This is the contract's definition written independently of jax.nn, and in the top-left
   case jax.nn receives the original arguments, so the two definitions check each other.
   """
   B, T, N, _ = query_shape
@@ -177,6 +191,9 @@ def visibility(query_shape, key_shape, mask4=None, *, is_causal=False, local_win
   visible = visible[:, None]  # (B, 1, T, S)
   if mask4 is not None:
     visible = visible & mask4
+  segments = segment_mask(query_segment_ids, key_value_segment_ids, B)
+  if segments is not None:
+    visible = visible & segments
   return jnp.broadcast_to(visible, (B, N, T, S))
 
 
@@ -362,7 +379,8 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                return_residual=False, mask_alignment="top_left", compute_dtype=None,
                precision=None, use_jax_nn=True, tf32=False, dropout_rate=0.0, dropout_rng=None,
-               broadcast_dropout=False, logits_soft_cap=None):
+               broadcast_dropout=False, logits_soft_cap=None, query_segment_ids=None,
+               key_value_segment_ids=None):
   """jax.nn.dot_product_attention's semantics with jaxflash's conventions (module docstring).
 
   compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
@@ -370,7 +388,9 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
   use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated (always, with
     dropout or a soft-cap, which jax.nn does not have).
   tf32: round every matmul operand to tf32 (only with use_jax_nn=False).
-  dropout_rate, dropout_rng, broadcast_dropout, logits_soft_cap: jaxflash.attention's.
+  dropout_rate, dropout_rng, broadcast_dropout, logits_soft_cap, query_segment_ids,
+    key_value_segment_ids: jaxflash.attention's (jax.nn gets the segment ids as part of its
+    boolean mask).
   """
   assert not (tf32 and use_jax_nn), "tf32 applies to the restated path"
   in_dtype = query.dtype
@@ -390,7 +410,8 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
     scale = 1.0 / math.sqrt(q4.shape[-1])
   masking = dict(is_causal=is_causal, local_window_size=local_window_size,
                  query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths, mask_alignment=mask_alignment)
+                 key_value_seq_lengths=key_value_seq_lengths, mask_alignment=mask_alignment,
+                 query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids)
   visible = visibility(q4.shape, k4.shape, mask4, **masking)
   row_visible = jnp.transpose(visible.any(axis=-1), (0, 2, 1))  # (B, T, N)
 
@@ -405,6 +426,9 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
         nn_mask, nn_causal, nn_window = visible, False, None
       else:  # jax.nn's own masking arguments, so that `visibility` is checked against it
         nn_mask, nn_causal, nn_window = mask4, is_causal, local_window_size
+        segments = segment_mask(query_segment_ids, key_value_segment_ids, q4.shape[0])
+        if segments is not None:  # jax.nn has no segment ids: they join its boolean mask
+          nn_mask = segments if nn_mask is None else nn_mask & segments
       out = jax.nn.dot_product_attention(
           q4, k4, v4, bias4, nn_mask, scale=scale, is_causal=nn_causal,
           query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -461,9 +485,9 @@ def forward_and_grads(attention_fn: Callable, inputs: Mapping[str, jax.Array | N
   sum(out * cotangent) (+ sum(lse * lse_cotangent)) but, unlike the sum, well defined when lse
   is -inf. Returns (outputs, {"dq": ..., "dk": ..., "dv": ..., "dbias": ...})."""
   differentiable = {n: inputs[n] for n in DIFFERENTIABLE if inputs.get(n) is not None}
-  # (dropout_rng only where given: not every attention_fn under test takes it.)
+  # (ONLY_WHERE_GIVEN: not every attention_fn under test takes them.)
   fixed = {n: inputs.get(n) for n in NON_DIFFERENTIABLE
-           if n != "dropout_rng" or inputs.get(n) is not None}
+           if n not in ONLY_WHERE_GIVEN or inputs.get(n) is not None}
 
   @jax.jit
   def run(differentiable, fixed, cotangent):

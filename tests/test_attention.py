@@ -61,6 +61,13 @@ class Case:
   dropout_rate: float = 0.0  # > 0: dropout from a fixed key (make_inputs), same mask in the reference
   broadcast_dropout: bool = False
   soft_cap: float | None = None  # logits_soft_cap
+  # Segment ids (packed sequences): "docs", documents of about 3/10, 5/10 and 2/10 of the row
+  # (padding after them in the second batch item), numbered in order as packing does;
+  # "short_docs", documents of 1 to 24 positions (many per tile: tiles skipped next to tiles
+  # not, and rows cut at tile boundaries); "tile_docs", documents that end at multiples of 64
+  # as well as inside tiles, so that neighbouring tiles have disjoint ids; "random", ids drawn from {0, 1, 2} at every
+  # position (no tile can be skipped, some rows see no key).
+  segments: str | None = None
 
   def axis_sizes(self):
     return dict(B=self.batch, N=self.num_heads, T=self.q_len, S=self.kv_len)
@@ -90,6 +97,33 @@ class Case:
       kv = np.array([math.ceil(S / 2), 0, S], np.int32)
     return (jnp.asarray(q) if self.q_lengths else None,
             jnp.asarray(kv) if self.kv_lengths else None)
+
+  def segment_ids(self, key):
+    """(query_segment_ids, key_value_segment_ids) for the case's segments, None without."""
+    if self.segments is None:
+      return None, None
+    B, T, S = self.batch, self.q_len, self.kv_len
+    if self.segments == "random":
+      k_q, k_kv = jax.random.split(key)
+      q_ids = jax.random.randint(k_q, (B, T), 0, 3, jnp.int32)
+      kv_ids = jax.random.randint(k_kv, (B, S), 0, 3, jnp.int32)
+    elif self.segments in ("short_docs", "tile_docs"):  # the same lengths, cut at T and at S
+      if self.segments == "short_docs":
+        lengths = np.random.RandomState(0).randint(1, 25, (B, max(T, S)))
+      else:  # ends at 16, 64, 128, 137, 192, 320, ...
+        lengths = np.resize(np.array([16, 48, 64, 9, 55, 128]), (B, max(T, S) // 16 + 1))
+        lengths[1::2] = np.roll(lengths[1::2], 1, axis=-1)
+      lengths[1::2, -max(T, S) // 40:] = 0  # fewer documents: padding after them
+      q_ids, _ = jaxflash.segment_ids_from_lengths(lengths, T)
+      _, kv_ids = jaxflash.segment_ids_from_lengths(lengths, S)
+    else:
+      assert self.segments == "docs", self.segments
+      fractions = np.array([[0.3, 0.5, 0.2], [0.15, 0.45, 0.0], [1.0, 0.0, 0.0]])[np.arange(B) % 3]
+      q_ids, _ = jaxflash.segment_ids_from_lengths(np.floor(fractions * T).astype(np.int32), T)
+      _, kv_ids = jaxflash.segment_ids_from_lengths(np.floor(fractions * S).astype(np.int32), S)
+    if self.layout != "BTNH":  # one row of ids, the shape of 3-D and single-head calls
+      q_ids, kv_ids = q_ids[0], kv_ids[0]
+    return q_ids, kv_ids
 
   def static_kwargs(self):
     kwargs = dict(is_causal=self.is_causal, local_window_size=self.window,
@@ -172,6 +206,31 @@ DROPOUT_FEATURES = {
     "dropout_layout_TH_window": dict(dropout_rate=0.4, layout="TH", num_heads=1, num_kv_heads=1,
                                      window=(9, 2)),
 }
+# Packed sequences (segment ids), on every (T, S) pair: documents in order (tiles whose ids
+# cannot meet are skipped) and random ids (element masking only), with the masks they combine
+# with (causal both ways, windows, lengths, dense mask, bias and its gradient, GQA).
+SEGMENT_FEATURES = {
+    "segments_docs": dict(segments="docs", batch=3),
+    "segments_short_docs": dict(segments="short_docs"),
+    "segments_random": dict(segments="random"),
+    "segments_docs_causal": dict(segments="docs", is_causal=True, batch=3, return_residual=True),
+    "segments_docs_bottom_right_causal": dict(segments="docs", is_causal=True, batch=3,
+                                              alignment="bottom_right"),
+    "segments_window_lengths": dict(segments="tile_docs", window=(20, 5), batch=3,
+                                    q_lengths=True, kv_lengths=True),
+    "segments_tile_docs_window": dict(segments="tile_docs", window=(70, 70)),
+    "segments_short_docs_bottom_right_causal": dict(segments="short_docs", is_causal=True,
+                                                    alignment="bottom_right"),
+    "segments_bias_mask_gqa": dict(segments="random", bias="1NTS", mask="B1TS", num_heads=4,
+                                   num_kv_heads=2, return_residual=True),
+}
+# Segment ids with the other layouts (ids of shape (T,)), MQA and dropout.
+SEGMENT_SHAPE_FEATURES = {
+    "segments_layout_TNH_mqa": dict(segments="docs", layout="TNH", num_heads=4, num_kv_heads=1),
+    "segments_layout_TH_causal": dict(segments="docs", layout="TH", num_heads=1, num_kv_heads=1,
+                                      is_causal=True),
+    "segments_dropout_bias_BNTS": dict(segments="docs", batch=3, dropout_rate=0.2, bias="BNTS"),
+}
 # The logit soft-cap, small enough against the logits that tanh bends them (the reference caps
 # its float32 logits in jnp: jax.nn has no soft-cap), with the features it composes with.
 SOFTCAP_FEATURES = {
@@ -212,6 +271,7 @@ def _feature_cases():
   params = []
   groups = ((POSITIONAL_FEATURES, SEQLENS), (SHAPE_FEATURES, SEQLENS_FEW),
             (DROPOUT_FEATURES, SEQLENS_FEW), (SOFTCAP_FEATURES, SEQLENS_FEW),
+            (SEGMENT_FEATURES, SEQLENS), (SEGMENT_SHAPE_FEATURES, SEQLENS_FEW),
             (EMPTY_FEATURES, SEQLENS_EMPTY))
   i = 0
   for features, seqlens in groups:
@@ -275,6 +335,9 @@ def make_inputs(case: Case, key):
                     if case.mask is not None else None)
   inputs["query_seq_lengths"], inputs["key_value_seq_lengths"] = case.seq_lengths()
   inputs["dropout_rng"] = (jax.random.key(1234) if case.dropout_rate > 0.0 else None)
+  # (A key of its own, so that the other operands stay those of the cases without ids.)
+  inputs["query_segment_ids"], inputs["key_value_segment_ids"] = case.segment_ids(
+      jax.random.fold_in(key, 5))
   cotangents = reference.random_inputs(k_ct, dict(out=q_shape, lse=q_shape[:-1]), dtype)
   cotangent = ((cotangents["out"], cotangents["lse"]) if case.return_residual
                else cotangents["out"])
@@ -352,6 +415,11 @@ def check_against_reference(case: Case, backend: str, device):
   # Inputs, reference and baseline are made on the CPU; only ours runs on `backend`.
   inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
   static = case.static_kwargs()
+  if case.segments is not None and backend == "cuda":
+    # Not in the CUDA kernels yet: refused, by name, rather than ignored.
+    with pytest.raises(NotImplementedError, match="segment_ids.*CPU kernels only"):
+      reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+    return
 
   ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
   (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
@@ -388,13 +456,16 @@ def check_against_reference(case: Case, backend: str, device):
   rows = reference.on_cpu(
       reference.visible_rows, query, inputs["key"], inputs["mask"], is_causal=case.is_causal,
       local_window_size=case.window, query_seq_lengths=inputs["query_seq_lengths"],
-      key_value_seq_lengths=inputs["key_value_seq_lengths"], mask_alignment=case.alignment)
+      key_value_seq_lengths=inputs["key_value_seq_lengths"], mask_alignment=case.alignment,
+      query_segment_ids=inputs["query_segment_ids"],
+      key_value_segment_ids=inputs["key_value_segment_ids"])
   assert_rows_zero(ours_out, rows, "out")
   assert_rows_zero(ours_grads["dq"], rows, "dq")
 
 
 REFERENCE_SELF_CHECK = ("causal", "window_5_0", "window_0_7", "q_and_kv_lengths", "mask_1N1S",
-                        "bias_mask_causal", "bottom_right_causal_lengths", "everything")
+                        "bias_mask_causal", "bottom_right_causal_lengths", "everything",
+                        "segments_docs_causal", "segments_bias_mask_gqa")
 
 
 @pytest.mark.parametrize("feature", REFERENCE_SELF_CHECK)
@@ -403,8 +474,9 @@ def test_reference_is_jax_nn(feature):
   reference.visibility) equals jax.nn called with its own masking arguments, in float32, on a
   T > S shape with GQA. This pins `visibility` (used for the zero-row convention and the lse)
   to jax.nn's masking, and the baseline to jax.nn's algorithm."""
+  features = {**POSITIONAL_FEATURES, **SEGMENT_FEATURES}[feature]
   case = Case(dtype="float32", q_len=45, kv_len=30,
-              **{**POSITIONAL_FEATURES[feature], "num_heads": 4, "num_kv_heads": 2})
+              **{**features, "num_heads": 4, "num_kv_heads": 2})
   static = case.static_kwargs()
 
   def both():  # on the CPU, where the reference and baseline always run

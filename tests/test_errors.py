@@ -88,6 +88,30 @@ ERROR_CASES = {
     "soft_cap_inf": (dict(logits_soft_cap=float("inf")), r"logits_soft_cap", [r"inf"]),
     "soft_cap_bool": (dict(logits_soft_cap=True), r"logits_soft_cap", [r"True"]),
     "soft_cap_string": (dict(logits_soft_cap="30"), r"logits_soft_cap", [r"'30'"]),
+    "query_segment_ids_alone": (dict(query_segment_ids=np.zeros((B, T), np.int32)),
+                                r"query_segment_ids", [r"without key_value_segment_ids"]),
+    "key_value_segment_ids_alone": (dict(key_value_segment_ids=np.zeros((B, S), np.int32)),
+                                    r"key_value_segment_ids", [r"without query_segment_ids"]),
+    "query_segment_ids_wrong_length": (
+        dict(query_segment_ids=np.zeros((B, S), np.int32),
+             key_value_segment_ids=np.zeros((B, S), np.int32)),
+        r"query_segment_ids", [r"\(2, 12\)", r"\(2, 8\)"]),
+    "key_value_segment_ids_wrong_batch": (
+        dict(query_segment_ids=np.zeros((B, T), np.int32),
+             key_value_segment_ids=np.zeros((1, S), np.int32)),
+        r"key_value_segment_ids", [r"\(1, 12\)", r"\(2, 12\)"]),
+    "query_segment_ids_rank_1": (
+        dict(query_segment_ids=np.zeros((T,), np.int32),
+             key_value_segment_ids=np.zeros((B, S), np.int32)),
+        r"query_segment_ids", [r"\(8,\)"]),
+    "segment_ids_float": (
+        dict(query_segment_ids=np.zeros((B, T), np.float32),
+             key_value_segment_ids=np.zeros((B, S), np.int32)),
+        r"query_segment_ids", [r"float32"]),
+    "segment_ids_bool": (
+        dict(query_segment_ids=np.zeros((B, T), np.int32),
+             key_value_segment_ids=np.zeros((B, S), bool)),
+        r"key_value_segment_ids", [r"bool"]),
 }
 
 
@@ -125,6 +149,34 @@ def test_lengths_of_a_jax_array_must_be_int32(backend):
   """A JAX array may be traced, so only its dtype can be checked: int32, as jax.nn."""
   with pytest.raises(TypeError, match=r"query_seq_lengths must be an int32 array, got uint32"):
     jaxflash.attention(**_valid(), query_seq_lengths=jnp.array([3, 5], jnp.uint32))
+
+
+def test_segment_ids_beyond_int32_raise(backend):
+  """Concrete wide ids are range-checked: a wrapping cast could make two different ids equal."""
+  with pytest.raises(ValueError, match=r"key_value_segment_ids must fit in int32.*4294967296"):
+    jaxflash.attention(**_valid(), query_segment_ids=np.zeros((B, T), np.int64),
+                       key_value_segment_ids=np.full((B, S), 2**32, np.int64))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int64, np.uint32])
+def test_segment_ids_of_other_integer_dtypes(dtype, backend):
+  """Narrow integer ids are cast to int32, as are wide ones whose (concrete) values fit: the
+  same result as int32 ids."""
+  ids = np.array([[0] * (T // 2) + [1] * (T - T // 2)] * B)
+  kv_ids = np.array([[0] * (S // 2) + [1] * (S - S // 2)] * B)
+  want = jaxflash.attention(**_valid(), query_segment_ids=ids.astype(np.int32),
+                            key_value_segment_ids=kv_ids.astype(np.int32))
+  got = jaxflash.attention(**_valid(), query_segment_ids=ids.astype(dtype),
+                           key_value_segment_ids=kv_ids.astype(dtype))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_traced_wide_segment_ids_raise(backend):
+  """A traced uint32 id array cannot be range-checked, so it is refused, saying how to cast."""
+  fn = jax.jit(lambda ids, kv_ids: jaxflash.attention(**_valid(), query_segment_ids=ids,
+                                                      key_value_segment_ids=kv_ids))
+  with pytest.raises(TypeError, match=r"query_segment_ids must be int32 .*uint32.*astype"):
+    fn(jnp.zeros((B, T), jnp.uint32), jnp.zeros((B, S), jnp.uint32))
 
 
 def test_largest_window_equals_no_window(backend):

@@ -268,6 +268,35 @@ def test_flax_attention_passes_the_soft_cap(masking, backend, device):
   assert not np.allclose(ours, jaxflash.attention(q, k, v, mask=dense), atol=1e-3)
 
 
+@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+def test_flax_attention_passes_segment_ids(masking, backend, device):
+  """Segment ids bound with functools.partial are jaxflash.attention's, combined with the
+  module's mask whichever kernel call its classification picks, also with two batch axes."""
+  if backend == "cuda":
+    pytest.skip("the CUDA kernels have no segment ids yet (test_attention checks the refusal)")
+  inputs = reference.random_inputs(jax.random.key(6), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
+                                   "float32")
+  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  mask = MASKINGS[masking](nnx)
+  lengths = np.tile(np.array([[3, LENGTH // 2, 1]]), (BATCH, 1))
+  q_ids, kv_ids = jaxflash.segment_ids_from_lengths(lengths, LENGTH)
+  packed = functools.partial(jaxflash.flax_attention, query_segment_ids=q_ids,
+                             key_value_segment_ids=kv_ids)
+  ours = jax.jit(lambda q, k, v: packed(q, k, v, mask=mask))(q, k, v)
+  dense = None if mask is None else mask.astype(jnp.bool_)
+  expected = jaxflash.attention(q, k, v, mask=dense, query_segment_ids=q_ids,
+                                key_value_segment_ids=kv_ids)
+  np.testing.assert_allclose(ours, expected, *reference.SAME_KERNEL_TOL["float32"])
+  two_axes = lambda x: x.reshape((1,) + x.shape)  # batch (1, BATCH)
+  ours_2 = jaxflash.flax_attention(two_axes(q), two_axes(k), two_axes(v),
+                                   query_segment_ids=two_axes(q_ids),
+                                   key_value_segment_ids=two_axes(kv_ids))
+  expected_2 = jaxflash.attention(q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+  np.testing.assert_allclose(ours_2[0], expected_2, *reference.SAME_KERNEL_TOL["float32"])
+
+
 def test_nnx_module_trains_with_dropout(device):
   """nnx.MultiHeadAttention with dropout_rate > 0 in training mode: the rngs' dropout stream
   reaches the kernels (two calls draw two masks), gradients are finite, eval mode is the

@@ -97,18 +97,11 @@ void apply_cap_slope(const AttentionParams& p, int64_t rows, int64_t cols, const
     for (int64_t j = 0; j < cols; ++j) ds[i * kBlockK + j] *= cap_slope[i * kBlockK + j];
 }
 
-// The instance axes (bits) along which an output is shared: stride 0, size > 1.
-uint32_t broadcast_axes(const AttentionParams& p, const ArrayView& out) {
-  uint32_t bits = 0;
-  for (int d = 0; d < p.num_inst_dims; ++d)
-    if (p.inst_size[d] > 1 && out.inst_stride[d] == 0) bits |= 1u << d;
-  return bits;
-}
-
 // Pass A: dK, dV for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
 template <class T, class BiasT>
 JAXFLASH_CPU_TASK
-void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept, int64_t s0) {
+void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segments, const InstanceSplit& split,
+                        int64_t kept, int64_t s0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H);
   const int64_t cols = std::min(kBlockK, p.seqlen_k - s0);
   std::vector<float> kt(H * kBlockK), vt(H * kBlockK), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
@@ -132,7 +125,9 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
     const DropoutKey dropout = dropout_key(p, inst);
 
     for (int64_t t0 = queries.lo; t0 < queries.hi; t0 += kBlockQ) {
-      load_q_tile<T>(p, inst, t0, std::min(kBlockQ, queries.hi - t0), tile);
+      const int64_t rows = std::min(kBlockQ, queries.hi - t0);
+      if (!segments.may_meet(inst, t0, t0 + rows, s0, s0 + live_cols)) continue;  // packed sequences
+      load_q_tile<T>(p, inst, t0, rows, tile);
       probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, live_cols, kt.data(),
                                 vt.data(), s.data(), dp.data(), cap_slope.data());
       apply_cap_slope(p, tile.rows, live_cols, cap_slope.data(), dp.data());
@@ -154,8 +149,8 @@ void key_tile_gradients(const AttentionParams& p, const InstanceSplit& split, in
 // Pass B: dQ for the Q tiles of one task, and their share of dbias.
 template <class T, class BiasT>
 JAXFLASH_CPU_TASK
-void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, int64_t kept,
-                          int64_t first_t0, int64_t last_t0) {
+void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segments, const InstanceSplit& split,
+                          int64_t kept, int64_t first_t0, int64_t last_t0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H), S = p.seqlen_k;
   const bool want_dbias = p.has(kHasDbias);
   // A bias with one row (or one column) gets the sum of dS over rows (columns).
@@ -188,6 +183,7 @@ void query_tile_gradients(const AttentionParams& p, const InstanceSplit& split, 
         load_q_tile<T>(p, inst, t0, live_rows, tile);
         for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
           const int64_t cols = std::min(kBlockK, keys.hi - s0);
+          if (!segments.may_meet(inst, t0, t0 + live_rows, s0, s0 + cols)) continue;  // packed sequences
           load_tile_transposed(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
                                kt.data(), kBlockK);
           load_tile(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H, 1.f, k.data(), Hp);
@@ -224,8 +220,9 @@ template <class T, class BiasT>
 void backward_typed(const AttentionParams& p, const ParallelFor& parallel_for) {
   const InstanceSplit kv_split{&p, broadcast_axes(p, p.dk)};
   const int64_t k_tiles = ceil_div(p.seqlen_k, kBlockK);
+  const SegmentTileRanges segments(p);
   parallel_for(kv_split.count(false) * k_tiles, [&](int64_t task) {
-    key_tile_gradients<T, BiasT>(p, kv_split, task / k_tiles, (task % k_tiles) * kBlockK);
+    key_tile_gradients<T, BiasT>(p, segments, kv_split, task / k_tiles, (task % k_tiles) * kBlockK);
   });
 
   const bool want_dbias = p.has(kHasDbias);
@@ -235,12 +232,12 @@ void backward_typed(const AttentionParams& p, const ParallelFor& parallel_for) {
   if (want_dbias && p.seqlen_q > 1 && p.dbias.row_stride == 0) {
     // A one-row dbias sums over every Q tile: one task walks them all.
     parallel_for(q_split.count(false), [&](int64_t task) {
-      query_tile_gradients<T, BiasT>(p, q_split, task, 0, last_t0);
+      query_tile_gradients<T, BiasT>(p, segments, q_split, task, 0, last_t0);
     });
   } else {
     parallel_for(q_split.count(false) * q_tiles, [&](int64_t task) {
       const int64_t t0 = (task % q_tiles) * kBlockQ;
-      query_tile_gradients<T, BiasT>(p, q_split, task / q_tiles, t0, t0);
+      query_tile_gradients<T, BiasT>(p, segments, q_split, task / q_tiles, t0, t0);
     });
   }
 }

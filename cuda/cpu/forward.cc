@@ -22,7 +22,7 @@ void store_lse(const AttentionParams& p, float* lse, int64_t row, LseSplit value
 // OutT is T, or float when the forward writes the backward's float32 residual.
 template <class T, class BiasT, class OutT>
 JAXFLASH_CPU_TASK
-void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
+void forward_tile(const AttentionParams& p, const SegmentTileRanges& segments, int64_t inst, int64_t t0) {
   const int64_t H = p.head_dim, Hp = round_up_vec(H);  // Hp: padded row length of feature tiles
   const InstanceBounds bounds = instance_bounds(p, inst);
   const int64_t rows = std::min(kBlockQ, p.seqlen_q - t0);
@@ -60,6 +60,8 @@ void forward_tile(const AttentionParams& p, int64_t inst, int64_t t0) {
 
   for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, keys.hi - s0);
+    // Packed sequences: a key tile with none of these rows' segment ids is all masked.
+    if (!segments.may_meet(inst, t0, t0 + live_rows, s0, s0 + cols)) continue;
     load_tile_transposed(k + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
                          kt_tile.data(), kBlockK);
     load_tile(v + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H, 1.f, v_tile.data(), Hp);
@@ -108,12 +110,13 @@ template <class T, class BiasT>
 void forward_typed(const AttentionParams& p, const ParallelFor& parallel_for) {
   const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
   const bool f32_out = p.has(kOutputF32);
+  const SegmentTileRanges segments(p);
   parallel_for(p.num_instances() * q_tiles, [&](int64_t task) {
     const int64_t inst = task / q_tiles, t0 = (task % q_tiles) * kBlockQ;
     if (f32_out)
-      forward_tile<T, BiasT, float>(p, inst, t0);
+      forward_tile<T, BiasT, float>(p, segments, inst, t0);
     else
-      forward_tile<T, BiasT, T>(p, inst, t0);
+      forward_tile<T, BiasT, T>(p, segments, inst, t0);
   });
 }
 

@@ -258,6 +258,7 @@ template <class BiasT>
 struct LogitsInputs {
   const BiasT* bias = nullptr;   // instance base, or null
   const uint8_t* mask = nullptr; // instance base, or null
+  SegmentIds segments;           // without segment ids: null bases
 };
 
 template <class BiasT>
@@ -265,7 +266,20 @@ LogitsInputs<BiasT> logits_inputs(const AttentionParams& p, int64_t inst) {
   LogitsInputs<BiasT> in;
   if (p.has(kHasBias)) in.bias = element<BiasT>(p.bias, instance_offset(p, p.bias, inst));
   if (p.has(kHasMask)) in.mask = element<uint8_t>(p.mask, instance_offset(p, p.mask, inst));
+  in.segments = segment_ids(p, inst);
   return in;
+}
+
+// Whether every query of rows [t0, t0+rows) and key of [s0, s0+cols) has one and the same
+// segment id (or there are none), so that no element of the tile needs the id test.
+inline bool one_segment(const SegmentIds& ids, int64_t t0, int64_t rows, int64_t s0, int64_t cols) {
+  if (!ids.q) return true;
+  const int32_t id = ids.query(t0);
+  for (int64_t i = 1; i < rows; ++i)
+    if (ids.query(t0 + i) != id) return false;
+  for (int64_t j = 0; j < cols; ++j)
+    if (ids.key(s0 + j) != id) return false;
+  return true;
 }
 
 // Turns S = (scale·log2e)·Q·Kᵀ for rows [t0, t0+rows) and keys [s0, s0+cols)
@@ -294,13 +308,14 @@ void finish_logits(const AttentionParams& p, const InstanceBounds& b, const Logi
   const int64_t d_max = (s0 + cols - 1) - t0 - b.offset;
   const bool window_in = (p.window_left == kUnbounded || d_min >= -p.window_left) &&
                          (p.window_right == kUnbounded || d_max <= p.window_right);
-  if (rows_in && cols_in && window_in && !in.mask) return;
+  if (rows_in && cols_in && window_in && !in.mask && one_segment(in.segments, t0, rows, s0, cols)) return;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t t = t0 + i;
     const uint8_t* mrow = in.mask ? in.mask + t * p.mask.row_stride : nullptr;
     for (int64_t j = 0; j < cols; ++j) {
       const int64_t key = s0 + j;
-      const bool visible = position_visible(p, b, t, key) && (!mrow || mrow[key * p.mask.col_stride]);
+      const bool visible = position_visible(p, b, t, key) && (!mrow || mrow[key * p.mask.col_stride]) &&
+                           in.segments.visible(t, key);
       if (!visible) s[i * ld + j] = kNegInf;
     }
   }
@@ -340,8 +355,94 @@ struct InstanceSplit {
     }
     return linear;
   }
+  // The index among count(false) of `linear`'s kept axes: compose's inverse on them.
+  int64_t kept_of(int64_t linear) const {
+    int64_t kept = 0, scale = 1;
+    for (int d = p->num_inst_dims - 1; d >= 0; --d) {
+      const int64_t i = linear % p->inst_size[d];
+      linear /= p->inst_size[d];
+      if (!((reduce_mask >> d) & 1u)) {
+        kept += i * scale;
+        scale *= p->inst_size[d];
+      }
+    }
+    return kept;
+  }
 };
 
+// The instance axes (bits) along which an array is shared: stride 0, size > 1.
+inline uint32_t broadcast_axes(const AttentionParams& p, const ArrayView& a) {
+  uint32_t bits = 0;
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (p.inst_size[d] > 1 && a.inst_stride[d] == 0) bits |= 1u << d;
+  return bits;
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The id range (params.h, IdRange) of every tile of `tile_rows` rows of one side's segment
+// ids, computed once per call before the tasks start, one row of tiles per distinct id row
+// (the instances the ids are broadcast along, such as the heads, share one).
+class TileIdRanges {
+ public:
+  TileIdRanges() = default;
+  TileIdRanges(const AttentionParams& p, const ArrayView& ids, int64_t length, int64_t tile_rows)
+      : split_{&p, broadcast_axes(p, ids)}, tiles_(ceil_div(length, tile_rows)), tile_rows_(tile_rows) {
+    const int64_t rows = split_.count(false);
+    ranges_.resize(rows * tiles_);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* base = static_cast<const int32_t*>(ids.data) + instance_offset(p, ids, split_.compose(r, 0));
+      for (int64_t tile = 0; tile < tiles_; ++tile) {
+        const int64_t first = tile * tile_rows, last = std::min(length, first + tile_rows);
+        IdRange range{base[first * ids.row_stride], base[first * ids.row_stride]};
+        for (int64_t i = first + 1; i < last; ++i) {
+          const int32_t id = base[i * ids.row_stride];
+          range.lo = std::min(range.lo, id);
+          range.hi = std::max(range.hi, id);
+        }
+        ranges_[r * tiles_ + tile] = range;
+      }
+    }
+  }
+
+  // The ids' range over rows [r0, r1) (r0 < r1) of instance `inst`: the union of the tiles
+  // those rows touch, a superset where they start or end inside a tile.
+  IdRange over(int64_t inst, int64_t r0, int64_t r1) const {
+    const IdRange* row = ranges_.data() + split_.kept_of(inst) * tiles_;
+    IdRange range = row[r0 / tile_rows_];
+    for (int64_t tile = r0 / tile_rows_ + 1; tile <= (r1 - 1) / tile_rows_; ++tile) {
+      range.lo = std::min(range.lo, row[tile].lo);
+      range.hi = std::max(range.hi, row[tile].hi);
+    }
+    return range;
+  }
+
+ private:
+  InstanceSplit split_{};
+  int64_t tiles_ = 0, tile_rows_ = 1;
+  std::vector<IdRange> ranges_;
+};
+
+// Both sides' tile id ranges, for skipping whole tiles of packed sequences: a Q tile and a
+// K/V tile whose id ranges do not meet have no visible pair.
+class SegmentTileRanges {
+ public:
+  explicit SegmentTileRanges(const AttentionParams& p) {
+    if (!p.has(kHasSegmentIds)) return;
+    present_ = true;
+    queries_ = TileIdRanges(p, p.q_segment_ids, p.seqlen_q, kBlockQ);
+    keys_ = TileIdRanges(p, p.kv_segment_ids, p.seqlen_k, kBlockK);
+  }
+
+  // Whether rows [t0, t1) and keys [s0, s1) of instance `inst` may hold a pair of equal ids;
+  // always without segment ids.
+  bool may_meet(int64_t inst, int64_t t0, int64_t t1, int64_t s0, int64_t s1) const {
+    return !present_ || queries_.over(inst, t0, t1).meets(keys_.over(inst, s0, s1));
+  }
+
+ private:
+  bool present_ = false;
+  TileIdRanges queries_, keys_;
+};
 
 }  // namespace jaxflash::cpu

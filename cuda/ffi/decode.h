@@ -30,12 +30,14 @@ namespace ffi = xla::ffi;
 
 // Slot order of the "strides" attribute; jaxflash/contract.py lists the same (SLOTS).
 enum Slot : int {
-  kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed, kSlots
+  kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed,
+  kQSegmentIds, kKvSegmentIds, kSlots
 };
 
 inline const char* slot_name(int slot) {
-  static const char* names[kSlots] = {"q",  "k",    "v",    "bias", "mask", "q_lens", "kv_lens", "o",
-                                      "lse", "d_o", "delta", "dq",   "dk",   "dv",     "dbias", "seed"};
+  static const char* names[kSlots] = {"q",    "k",     "v",    "bias", "mask",          "q_lens",
+                                      "kv_lens", "o",   "lse",  "d_o",  "delta",         "dq",
+                                      "dk",   "dv",    "dbias", "seed", "q_segment_ids", "kv_segment_ids"};
   return names[slot];
 }
 
@@ -83,8 +85,9 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
     return ffi::Error::InvalidArgument("jaxflash: softcap must be 0 (none) or a finite float > 0");
   p.softcap = a.softcap;
 
-  ArrayView* views[kSlots] = {&p.q, &p.k,    &p.v,    &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.o,
-                              &p.lse, &p.d_o, &p.delta, &p.dq,  &p.dk,   &p.dv,     &p.dbias, &p.seed};
+  ArrayView* views[kSlots] = {&p.q,    &p.k,     &p.v,    &p.bias, &p.mask,          &p.q_lens,
+                              &p.kv_lens, &p.o,   &p.lse,  &p.d_o,  &p.delta,         &p.dq,
+                              &p.dk,   &p.dv,    &p.dbias, &p.seed, &p.q_segment_ids, &p.kv_segment_ids};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -103,6 +106,8 @@ inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64
     case kLse: case kDelta: rows = p.seqlen_q; cols = 1; return;
     case kQLens: case kKvLens: rows = 1; cols = 1; return;
     case kSeed: rows = 1; cols = 2; return;
+    case kQSegmentIds: rows = p.seqlen_q; cols = 1; return;
+    case kKvSegmentIds: rows = p.seqlen_k; cols = 1; return;
     case kK: case kV: case kDk: case kDv: rows = p.seqlen_k; cols = p.head_dim; return;
     default: rows = p.seqlen_q; cols = p.head_dim; return;
   }
@@ -156,10 +161,11 @@ ffi::Error attach_optional(const AttentionParams& p, int64_t flag, int slot, Arr
   return attach(p, slot, view, buffer, expected_type);
 }
 
-// Decodes the operands every direction shares: q, k, v, bias, mask, lengths, seed.
+// Decodes the operands every direction shares: q, k, v, bias, mask, lengths, seed, segment ids.
 inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                                 ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
-                                ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed) {
+                                ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& q_segment_ids,
+                                ffi::AnyBuffer& kv_segment_ids) {
   if (auto e = decode_dtype(q.element_type(), p.dtype, "q"); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   p.bias_dtype = p.dtype;
@@ -176,7 +182,11 @@ inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyB
   if (auto e = attach_optional(p, kHasQLens, kQLens, p.q_lens, q_lens, ffi::DataType::S32); e.failure()) return e;
   if (auto e = attach_optional(p, kHasKvLens, kKvLens, p.kv_lens, kv_lens, ffi::DataType::S32); e.failure())
     return e;
-  return attach_optional(p, kDropout, kSeed, p.seed, seed, ffi::DataType::U32);
+  if (auto e = attach_optional(p, kDropout, kSeed, p.seed, seed, ffi::DataType::U32); e.failure()) return e;
+  if (auto e = attach_optional(p, kHasSegmentIds, kQSegmentIds, p.q_segment_ids, q_segment_ids, ffi::DataType::S32);
+      e.failure())
+    return e;
+  return attach_optional(p, kHasSegmentIds, kKvSegmentIds, p.kv_segment_ids, kv_segment_ids, ffi::DataType::S32);
 }
 
 // The backward's outputs must have one writer per element: dq may not be
@@ -195,13 +205,14 @@ inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
 // The whole decode of each direction, shared by the CPU and CUDA handlers.
 // The operands every direction takes first (bind_inputs).
 struct Inputs {
-  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed;
+  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids;
 };
 
 // The layout, then the shared operands.
 inline ffi::Error decode_inputs(AttentionParams& p, Inputs& in, const LayoutAttrs& attrs) {
   if (auto e = decode_layout(attrs, p); e.failure()) return e;
-  return attach_inputs(p, in.q, in.k, in.v, in.bias, in.mask, in.q_lens, in.kv_lens, in.seed);
+  return attach_inputs(p, in.q, in.k, in.v, in.bias, in.mask, in.q_lens, in.kv_lens, in.seed, in.q_segment_ids,
+                       in.kv_segment_ids);
 }
 
 inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& o, ffi::AnyBuffer& lse,
@@ -233,8 +244,10 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
 // results dq, dk, dv, dbias, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
-auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed
+auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids
   return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()

@@ -34,6 +34,7 @@ nb::dict contract() {
   flags["OUTPUT_F32"] = static_cast<int64_t>(kOutputF32);
   flags["EXACT_F32"] = static_cast<int64_t>(kExactF32);
   flags["DROPOUT"] = static_cast<int64_t>(kDropout);
+  flags["HAS_SEGMENT_IDS"] = static_cast<int64_t>(kHasSegmentIds);
   nb::dict dtypes;
   dtypes["float32"] = static_cast<int32_t>(DType::kF32);
   dtypes["float16"] = static_cast<int32_t>(DType::kF16);
