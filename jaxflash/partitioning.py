@@ -10,7 +10,9 @@ with a config whose sizes are the shard's.
 The rule is written in *factors*, named from the config's layouts:
 
   i0, i1, ...  the instance axes (batch, kv head, query group, vmapped axes);
-               q's head axis is the compound (kv head, group), k's the kv head
+               k's head axis is the kv head
+  n            q's head axis when it flattens two of them (kv head, group: GQA
+               with more than one kv head); otherwise q's heads are that one factor
   t, s         the query and key sequence positions
   h            the feature (head dim)
 
@@ -18,10 +20,13 @@ An instance factor may be sharded on any mesh axes that divide it: each device
 runs its own batch items and heads, and nothing is communicated except a psum
 of a gradient whose operand does not carry a sharded factor (dk and dv of a
 query group split over devices; dbias of a bias broadcast over a sharded batch
-or head axis). t and s are sharded together, on the mesh axes of q's (else k's)
-sequence, when ring attention (jaxflash/ring.py) can compute the call; otherwise
-they stay replicated, as h always does, and XLA gathers a sequence- or
-feature-sharded operand before the call.
+or head axis). q's heads split over more devices than a whole number of kv heads
+per device (K = 2 kv heads over 4 devices) take K/V replicated: each device
+reads the kv heads its query heads need from its copy, and psums its partial
+dk and dv (Plan.head_axes). t and s are sharded together, on the mesh axes of
+q's (else k's) sequence, when ring attention (jaxflash/ring.py) can compute the
+call; otherwise they stay replicated, as h always does, and XLA gathers a
+sequence- or feature-sharded operand before the call.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import math
 from typing import Sequence
 
 import jax
-from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
-                                                  custom_partitioning)
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflash import kernels
@@ -48,6 +53,7 @@ COL_FACTOR = {**dict.fromkeys(("q", "k", "v", "o", "d_o", "dq", "dk", "dv"), "h"
               **dict.fromkeys(("bias", "mask", "dbias"), "s")}
 SEQUENCE_FACTORS = ("t", "s")  # sharded together, by ring attention
 REPLICATED_FACTORS = ("h",)
+QUERY_HEADS = "n"  # the rule's one factor for a head axis of two factors (q's: kv head, group)
 
 MeshAxes = tuple[str, ...]
 
@@ -69,6 +75,16 @@ def axis_factors(config: KernelConfig, slot: str, axis: Axis) -> tuple[str, ...]
   return tuple(_instance_factor(i) for i in role if config.instance_sizes[i] != 1)
 
 
+def query_head_factors(config: KernelConfig) -> tuple[str, ...]:
+  """The factors (kv head, group) of q's head axis under GQA with several kv heads; () when
+  q's heads are one factor (the kv heads, or the group) or there is no head axis."""
+  for axis in config.layout("q"):
+    factors = axis_factors(config, "q", axis)
+    if len(factors) > 1:
+      return factors
+  return ()
+
+
 def factor_sizes(config: KernelConfig) -> dict[str, int]:
   T, S, H = config.seq_dims
   sizes = {_instance_factor(i): n for i, n in enumerate(config.instance_sizes)}
@@ -82,33 +98,32 @@ def _sharding_rule(slots: Sequence[str], results: Sequence[str]):
   def rule(config: KernelConfig, mesh, operand_types, result_types) -> SdyShardingRule:
     del mesh, operand_types, result_types
     unique = (f"u{n}" for n in range(10**6))  # a factor of its own: an axis never sharded
-    whole, in_compound, order = set(), set(), []  # order: of first appearance
+    order = []  # the factors, in order of first appearance
+
+    def factor(slot: str, axis: Axis) -> str:
+      factors = axis_factors(config, slot, axis)
+      # q's heads (kv head, group) are one factor, not a CompoundFactor of the two: Shardy
+      # shards a compound over a mesh axis that splits inside the kv heads (4 devices, 2 kv
+      # heads) with the kv head on a sub-axis, which k then gets too, and custom_partitioning
+      # cannot hand the partition callback a sub-axis (IndivisibleError). So Shardy gives k
+      # and v's gradients k's and v's own sharding, q-like arrays q's, and the Plan relates
+      # q's heads to k's.
+      name = QUERY_HEADS if len(factors) > 1 else factors[0] if factors else next(unique)
+      if name not in order:
+        order.append(name)
+      return name
 
     def mapping(slot: str) -> ArrayMapping:
       layout = config.layout(slot)
       if layout is None:  # an absent operand: a zero-size placeholder
         return ArrayMapping(next(unique))
-      dims = []
-      for axis in layout:
-        factors = axis_factors(config, slot, axis)
-        order.extend(f for f in factors if f not in order)
-        if len(factors) == 1:
-          whole.add(factors[0])
-          dims.append(factors[0])
-        elif factors:
-          in_compound.update(factors)
-          dims.append(CompoundFactor(*factors))
-        else:
-          dims.append(next(unique))
-      return ArrayMapping(*dims)
+      return ArrayMapping(*(factor(slot, axis) for axis in layout))
 
     operands = tuple(mapping(slot) for slot in slots)
     outputs = tuple(mapping(slot) for slot in results)
-    sizes = factor_sizes(config)
     return SdyShardingRule(
         operands, outputs,  # Shardy wants the special factors in the rule's order
-        need_replication_factors=tuple(f for f in order if f in REPLICATED_FACTORS),
-        **{f: sizes[f] for f in in_compound - whole})
+        need_replication_factors=tuple(f for f in order if f in REPLICATED_FACTORS))
   return rule
 
 
@@ -124,15 +139,21 @@ def _spec(shape) -> tuple[MeshAxes, ...]:
 
 class Plan:
   """Which mesh axes shard each factor, and what follows: the operands' and results'
-  shardings, the config of one device's shard, and the psums of partial gradients."""
+  shardings, the config of one device's shard, the kv heads a device reads, and the psums of
+  partial gradients."""
 
   def __init__(self, config: KernelConfig, mesh, slots: Sequence[str], arg_shapes):
     self.config, self.mesh = config, mesh
     self.sizes = factor_sizes(config)
     self.axes: dict[str, MeshAxes] = {}
+    self.query_head_factors = query_head_factors(config)
+    # The mesh axes q's head axis is split on as one flat axis, when no split of (kv head,
+    # group) fits them (_adopt); () otherwise.
+    self.head_axes: MeshAxes = ()
     if not mesh.empty:
       specs = {slot: _spec(shape) for slot, shape in zip(slots, arg_shapes)}
-      for slot, layout in config.layouts:
+      # q first: the output keeps q's sharding, and k and v follow q's heads, not q theirs.
+      for slot, layout in sorted(config.layouts, key=lambda item: item[0] != "q"):
         if slot in specs:
           for axis, mesh_axes in zip(layout, specs[slot]):
             self._adopt(axis_factors(config, slot, axis), mesh_axes)
@@ -150,9 +171,8 @@ class Plan:
       return
     n = self._mesh_size(mesh_axes)
     T, S, _ = self.config.seq_dims
-    taken = {a for axes in self.axes.values() for a in axes}
     if (ring_lib.unsupported(self.config) is None and T % n == 0 and S % n == 0 and
-        not taken.intersection(mesh_axes)):
+        self._free(mesh_axes)):
       self.axes.update(t=mesh_axes, s=mesh_axes)
 
   @property
@@ -171,13 +191,20 @@ class Plan:
   def _mesh_size(self, mesh_axes: MeshAxes) -> int:
     return math.prod(self.mesh.shape[a] for a in mesh_axes)
 
+  def _free(self, mesh_axes: MeshAxes) -> bool:
+    """Whether no factor is sharded on any of these mesh axes yet."""
+    taken = {a for axes in (*self.axes.values(), self.head_axes) for a in axes}
+    return taken.isdisjoint(mesh_axes)
+
   def _adopt(self, factors: tuple[str, ...], mesh_axes: MeshAxes) -> None:
     """Takes an operand dim's sharding for its factors, if they are free to shard and its mesh
     axes split over them as a contiguous chunking does: each factor but the last to get axes is
-    sharded whole (one element per shard), the last one evenly."""
+    sharded whole (one element per shard), the last one evenly. q's heads that no such split
+    fits (2 kv heads over a mesh axis of 4) are split flat, if the mesh axes divide them."""
     if (not factors or not mesh_axes or any(f in self.axes for f in factors) or
+        (self.head_axes and not set(factors).isdisjoint(self.query_head_factors)) or
         any(f in REPLICATED_FACTORS + SEQUENCE_FACTORS for f in factors) or
-        any(a in taken for taken in self.axes.values() for a in mesh_axes)):
+        not self._free(mesh_axes)):
       return
     split, rest = {}, list(mesh_axes)
     for f in factors:
@@ -191,6 +218,9 @@ class Plan:
         break
     if not rest:
       self.axes.update({f: a for f, a in split.items() if a})
+    elif (factors == self.query_head_factors and
+          math.prod(self.sizes[f] for f in factors) % self._mesh_size(mesh_axes) == 0):
+      self.head_axes = mesh_axes
 
   def _drop_unrepresentable(self) -> None:
     """A compound dim (q's heads: kv head, group) is one contiguous chunk per device only if
@@ -208,7 +238,10 @@ class Plan:
               break
 
   def dim_axes(self, slot: str, axis: Axis) -> MeshAxes:
-    return sum((self.axes.get(f, ()) for f in axis_factors(self.config, slot, axis)), ())
+    factors = axis_factors(self.config, slot, axis)
+    if self.head_axes and factors == self.query_head_factors:
+      return self.head_axes
+    return sum((self.axes.get(f, ()) for f in factors), ())
 
   def sharding(self, slot: str) -> NamedSharding:
     layout = self.config.layout(slot)
@@ -217,34 +250,100 @@ class Plan:
     spec = [self.dim_axes(slot, axis) or None for axis in layout]
     return NamedSharding(self.mesh, PartitionSpec(*spec))
 
+  def _local_sizes(self) -> dict[str, int]:
+    """Each instance factor's size on one device.
+
+    With q's heads split flat, a device holds `heads` contiguous query heads. Cut into blocks
+    of g = gcd(heads, G) (G: the group size), each block starts at a multiple of g, which
+    divides G, so it lies within one kv head's group: the device runs heads / g kv heads (one
+    per block, a kv head repeated where blocks share it) of g query heads each. That is one kv
+    head when the kv heads divide the devices (g = heads); repeats only when neither of K and
+    the device count divides the other."""
+    local = {_instance_factor(i): n // self._mesh_size(self.axes.get(_instance_factor(i), ()))
+             for i, n in enumerate(self.config.instance_sizes)}
+    if self.head_axes:
+      kv_head, group = self.query_head_factors
+      heads = self.sizes[kv_head] * self.sizes[group] // self._mesh_size(self.head_axes)
+      local[group] = math.gcd(heads, self.sizes[group])
+      local[kv_head] = heads // local[group]
+    return local
+
   def local_config(self) -> KernelConfig:
     """The config of one device's shard."""
-    local = tuple(n // self._mesh_size(self.axes.get(_instance_factor(i), ()))
-                  for i, n in enumerate(self.config.instance_sizes))
+    local = self._local_sizes()
 
     def local_axis(slot: str, axis: Axis) -> Axis:
       role, size = axis
-      return (role, size // self._mesh_size(self.dim_axes(slot, axis)))
+      if isinstance(role, str) or size == 1:
+        return (role, size // self._mesh_size(self.dim_axes(slot, axis)))
+      return (role, math.prod(local[_instance_factor(i)] for i in role))
 
     layouts = {slot: tuple(local_axis(slot, axis) for axis in layout)
                for slot, layout in self.config.layouts}
     T, S, H = self.config.seq_dims
     seq_shards = self._mesh_size(self.axes.get("t", ()))
-    return self.config.replace(instance_sizes=local, seq_dims=(T // seq_shards, S // seq_shards, H)
-                               ).with_layouts(layouts)
+    instance_sizes = tuple(local[_instance_factor(i)]
+                           for i in range(len(self.config.instance_sizes)))
+    return self.config.replace(instance_sizes=instance_sizes,
+                               seq_dims=(T // seq_shards, S // seq_shards, H)).with_layouts(layouts)
+
+  def _kv_head_dim(self, slot: str) -> int | None:
+    """With q's heads split flat: the position of the kv-head axis in k, v, dk or dv (the
+    slots whose head axis is the kv head alone); None for other slots, or without the split."""
+    layout = self.config.layout(slot)
+    if not self.head_axes or layout is None:
+      return None
+    kv_head = self.query_head_factors[0]
+    return next((d for d, axis in enumerate(layout)
+                 if axis_factors(self.config, slot, axis) == (kv_head,)), None)
+
+  def _at_kv_heads_read(self, dim: int) -> tuple:
+    """The index, on the kv-head axis at `dim`, of the kv head of each block of this device's
+    query heads (_local_sizes), in order."""
+    kv_head, group = self.query_head_factors
+    local = self._local_sizes()
+    first_head = jax.lax.axis_index(self.head_axes) * local[kv_head] * local[group]
+    kv_heads = (first_head + jnp.arange(local[kv_head]) * local[group]) // self.sizes[group]
+    return (slice(None),) * dim + (kv_heads,)
+
+  def start(self, slot: str, value):
+    """An operand of one device as its kernels take it: with q's heads split flat, k and v
+    (replicated on heads) cut to the kv heads this device's query heads read; no communication."""
+    dim = self._kv_head_dim(slot)
+    if dim is None:
+      return value
+    return value.at[self._at_kv_heads_read(dim)].get(mode="promise_in_bounds")
 
   def reduced_axes(self, slot: str) -> MeshAxes:
     """The mesh axes a result's local value is a partial sum over: those of the sharded
-    factors it does not carry (the kernel summed them within the shard). The sequence factors
-    are the ring's, which sums its own partials."""
+    factors it does not carry (the kernel summed them within the shard), and those of q's
+    heads split flat for a result without q's heads. The sequence factors are the ring's,
+    which sums its own partials."""
     carried = {f for axis in self.config.layout(slot) for f in axis_factors(self.config, slot, axis)}
-    return tuple(a for f, axes in sorted(self.axes.items())
+    axes = tuple(a for f, axes in sorted(self.axes.items())
                  if f not in carried and f not in SEQUENCE_FACTORS for a in axes)
+    if self.head_axes and not carried.issuperset(self.query_head_factors):
+      axes += self.head_axes
+    return axes
 
   def finish(self, slot: str, value):
-    """A result of one device: summed over the devices that hold the rest of its partial sums."""
+    """A result of one device: summed over the devices that hold the rest of its partial sums.
+
+    With q's heads split flat, dk and dv first go back to K kv heads: the device's partials
+    added at the kv heads it read, zeros elsewhere. K/V came replicated, so their gradients
+    leave replicated, and the psum of these over the head axes is one all-reduce of a dk-sized
+    array per gradient. Summing only within the devices that share a kv head and then
+    gathering would move less (for 2 kv heads over 4 devices: dk's size per device instead of
+    1.5 times it), but needs a reduction over part of a mesh axis (psum's axis_index_groups,
+    which JAX does not implement under shard_map)."""
     if self.config.layout(slot) is None:
       return value
+    dim = self._kv_head_dim(slot)
+    if dim is not None:
+      shape = list(value.shape)
+      shape[dim] = self.sizes[self.query_head_factors[0]]
+      value = jnp.zeros(shape, value.dtype).at[self._at_kv_heads_read(dim)].add(
+          value, mode="promise_in_bounds")
     axes = self.reduced_axes(slot)
     return jax.lax.psum(value, axes) if axes else value
 
@@ -255,13 +354,15 @@ def _shardings(plan: Plan, slots: Sequence[str]) -> tuple[NamedSharding, ...]:
 
 def _partition(inputs: Sequence[str], results: Sequence[str], local_call, ring_call):
   """The partition callback: the Plan's shardings, and the per-device program that runs
-  local_call(*operands, local config), or ring_call(ring, *operands) on a sharded sequence."""
+  local_call(*operands, local config), or ring_call(ring, *operands) on a sharded sequence,
+  on the operands as Plan.start gives them."""
   def partition(config, mesh, arg_shapes, result_shape):
     del result_shape
     plan = Plan(config, mesh, inputs, arg_shapes)
     local, ring = plan.local_config(), plan.ring
 
     def run(*args):
+      args = tuple(plan.start(slot, x) for slot, x in zip(inputs, args))
       outs = local_call(*args, local) if ring is None else ring_call(ring, *args)
       return tuple(plan.finish(slot, x) for slot, x in zip(results, outs))
 

@@ -6,13 +6,17 @@ checks that the sharded call's outputs and gradients equal the single-device cal
 rounding; the ring's merge and partial-gradient sums add in another order, so its cases are
 held to the accuracy rule against the reference instead), and, for sharding over batch and
 heads, that the compiled program gathers or redistributes none of q, k and v: no all-gather,
-no all-to-all (a psum of a partial gradient is allowed).
+no all-to-all (a psum of a partial gradient is allowed). The GQA cases whose query heads split
+finer than K/V's (or whose K/V are replicated) run on meshes of their own (ShardCase.mesh),
+skipped where JAX sees fewer devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +50,18 @@ def make_mesh(backend: str, two_d: bool, axis_type=AxisType.Auto):
                            axis_types=(axis_type,) * len(shape))
 
 
+def case_mesh(backend: str, case: ShardCase):
+  """The case's own mesh if it names one (skipped without enough devices), else make_mesh's."""
+  if not case.mesh:
+    return make_mesh(backend, case.two_d)
+  names, shape = zip(*case.mesh)
+  devices = _devices(backend)
+  if len(devices) < math.prod(shape):
+    pytest.skip(f"needs {math.prod(shape)} {backend} devices, JAX sees {len(devices)}")
+  return jax.sharding.Mesh(np.asarray(devices[:math.prod(shape)]).reshape(shape), names,
+                           axis_types=(AxisType.Auto,) * len(shape))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardCase:
   """Shapes (B, T, S, N, K), the mesh, each operand's PartitionSpec and attention options."""
@@ -63,6 +79,15 @@ class ShardCase:
   options: tuple = ()  # attention keyword arguments, as (name, value) pairs
   local: bool = True   # batch/heads only: no all-gather or all-to-all
   ring: bool = False   # the sequence is sharded and ring attention computes it
+  mesh: tuple = ()     # ((axis name, size), ...); () for make_mesh's mesh of all the devices
+  # K/V replicated, q's heads sharded over whole kv heads: each device reads its kv heads
+  # without communicating, and under Shardy, which gives each gradient its operand's sharding,
+  # dk and dv (computed sharded on heads) are gathered to K/V's replicated sharding after the
+  # call: the only all-gathers, none in the forward.
+  kv_grads_gathered: bool = False
+  # The specs are applied inside jit (with_sharding_constraint), not by device_put: for a
+  # sharding device_put refuses (heads that do not divide over the devices).
+  constrained: bool = False
 
   def static(self) -> dict:
     return dict(self.options)
@@ -139,6 +164,46 @@ CASES = {
                                                 B=2, T=64, S=32,
                                                 options=(("local_window_size", (5, 0)),),
                                                 local=False),
+    # GQA with q's heads split finer than the kv heads (2 kv heads over 4 devices: JAX's
+    # IndivisibleError before): K/V replicated, each device reads the kv head its query heads
+    # use, and dk and dv are psums over the devices that share one.
+    "gqa_heads_over_more_devices_than_kv_heads": ShardCase(
+        False, dict(query=P(None, None, "x")), mesh=(("x", 4),), B=2, N=8, K=2, T=37, S=29,
+        options=(("is_causal", True),)),
+    # The same with the batch on another axis, and a bias with heads (split like q's; its
+    # gradient a psum over the batch it is broadcast over).
+    "gqa_heads_over_more_devices_than_kv_heads_with_batch_and_bias": ShardCase(
+        True, dict(query=P("data", None, "model"), key=P("data"), value=P("data")), B=4, N=8,
+        K=2, T=37, S=45, bias=(1, 8, 37, 45)),
+    # K/V sharded compatibly: kv heads on one mesh axis, each kv head's group on another.
+    "gqa_kv_heads_and_groups_on_two_axes": ShardCase(
+        False, dict(query=P(None, None, ("kv", "group")), key=P(None, None, "kv"),
+                    value=P(None, None, "kv")),
+        mesh=(("kv", 2), ("group", 2)), B=2, N=8, K=2, T=37, S=45),
+    "mqa_heads_over_4_with_batch": ShardCase(
+        True, dict(query=P("data", None, "model"), key=P("data"), value=P("data")), B=4, N=8,
+        K=1, T=37, S=29, options=(("local_window_size", (5, 2)),)),
+    # Whole kv heads per device (K = 4 over 2), K/V sharded alike or replicated.
+    "gqa_whole_kv_heads_kv_sharded": ShardCase(
+        False, dict(query=P(None, None, "x"), key=P(None, None, "x"), value=P(None, None, "x")),
+        mesh=(("x", 2),), B=2, N=8, K=4, T=37, S=45),
+    "gqa_whole_kv_heads_kv_replicated": ShardCase(
+        False, dict(query=P(None, None, "x")), mesh=(("x", 2),), B=2, N=8, K=4, T=37, S=45,
+        local=False, kv_grads_gathered=True),
+    # 3 kv heads, 4 devices: a device's 3 query heads may span two kv heads' groups (device 1:
+    # heads 3, 4, 5 of kv heads 0, 1, 1); it runs them as 3 heads, each with a copy of its kv
+    # head.
+    "gqa_kv_heads_not_dividing_devices": ShardCase(
+        False, dict(query=P(None, None, "x")), mesh=(("x", 4),), B=2, N=12, K=3, T=37, S=29,
+        options=(("is_causal", True),)),
+    # 6 kv heads over 4 devices (Shardy gave the kv head a sub-axis: the forward failed too).
+    "gqa_kv_heads_sharing_a_factor_with_devices": ShardCase(
+        False, dict(query=P(None, None, "x")), mesh=(("x", 4),), B=2, N=12, K=6, T=37, S=29),
+    # 8 query heads over 3 devices (an uneven sharding, possible inside jit): no device can
+    # take whole heads, so XLA gathers them; the answer stays right.
+    "gqa_heads_not_dividing_devices_gathered": ShardCase(
+        False, dict(query=P(None, None, "x")), mesh=(("x", 3),), B=2, N=8, K=2, T=37, S=29,
+        local=False, constrained=True),
 }
 
 
@@ -167,21 +232,45 @@ def _inputs(case: ShardCase, dtype, device):
 
 
 def _shard(inputs, cotangent, case: ShardCase, mesh):
-  """The inputs placed on the mesh by the case's specs (the rest, and the cotangent,
-  replicated)."""
+  """The inputs placed on the mesh by the case's specs (the rest, the cotangent, and every
+  input of a constrained case, replicated)."""
+  specs = {} if case.constrained else case.specs
   place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-  return ({name: place(x, case.specs.get(name, P())) for name, x in inputs.items()},
+  return ({name: place(x, specs.get(name, P())) for name, x in inputs.items()},
           place(cotangent, P()))
 
 
-def _grad_fn(case: ShardCase):
-  """jit(vjp) of jaxflash.attention, for HLO inspection."""
+def _attention_fn(case: ShardCase, mesh):
+  """jaxflash.attention; for a constrained case, on its inputs constrained to the case's specs."""
+  if not case.constrained:
+    return jaxflash.attention
+
+  def attention(**kwargs):
+    constrain = lambda name, x: (jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, case.specs[name])) if name in case.specs else x)
+    return jaxflash.attention(**{name: constrain(name, x) for name, x in kwargs.items()})
+  return attention
+
+
+def _grad_fn(case: ShardCase, attention):
+  """jit(vjp) of attention, for HLO inspection."""
   def run(inputs, cotangent):
     differentiable = {n: inputs[n] for n in reference.DIFFERENTIABLE if inputs.get(n) is not None}
     fixed = {n: v for n, v in inputs.items() if n not in differentiable}
-    out, vjp = jax.vjp(lambda d: jaxflash.attention(**d, **fixed, **case.static()), differentiable)
+    out, vjp = jax.vjp(lambda d: attention(**d, **fixed, **case.static()), differentiable)
     return out, vjp(cotangent)
   return run
+
+
+# An all-gather's result, one shape or a tuple of them (gathers XLA combined), in compiled HLO:
+# "%all-gather.1 = f32[2,37,4,32]{3,1,0,2} all-gather(...", or all-gather-done where async.
+_ALL_GATHER = re.compile(r"= (\([^=]*?\)|\S+) all-gather(?:-done)?\(")
+_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def _all_gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
+  return [tuple(int(d) for d in dims.split(",") if d)
+          for result in _ALL_GATHER.findall(hlo) for dims in _SHAPE.findall(result)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -190,14 +279,15 @@ def test_sharded_equals_single_device(name, dtype, backend, device):
   case = CASES[name]
   if backend == "cuda" and case.segments:
     pytest.skip("the CUDA kernels have no segment ids yet (test_attention checks the refusal)")
-  mesh = make_mesh(backend, case.two_d)
+  mesh = case_mesh(backend, case)
   inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
   static = case.static()
+  attention = _attention_fn(case, mesh)
 
   single, single_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
   sharded_inputs, sharded_cotangent = _shard(inputs, cotangent, case, mesh)
-  ours, ours_grads = reference.forward_and_grads(jaxflash.attention, sharded_inputs,
-                                                 sharded_cotangent, **static)
+  ours, ours_grads = reference.forward_and_grads(attention, sharded_inputs, sharded_cotangent,
+                                                 **static)
 
   tolerance = reference.compute_name(backend, dtype)
   if case.ring:
@@ -216,14 +306,57 @@ def test_sharded_equals_single_device(name, dtype, backend, device):
   assert not (case.local or case.ring) or ours.sharding.is_equivalent_to(sharded_inputs["query"].sharding, ours.ndim), (
       f"output sharding {ours.sharding}, query's {sharded_inputs['query'].sharding}")
 
-  hlo = jax.jit(_grad_fn(case)).lower(sharded_inputs, sharded_cotangent).compile().as_text()
+  hlo = jax.jit(_grad_fn(case, attention)).lower(sharded_inputs,
+                                                 sharded_cotangent).compile().as_text()
   if case.local or case.ring:
     for collective in ("all-gather", "all-to-all"):
       assert collective not in hlo, f"the compiled forward+backward has an {collective}"
+  if case.kv_grads_gathered:
+    forward_hlo = jax.jit(lambda inputs: attention(**inputs, **static)).lower(
+        sharded_inputs).compile().as_text()
+    for collective in ("all-gather", "all-to-all"):
+      assert collective not in forward_hlo, f"the compiled forward has an {collective}"
+    gathered = _all_gathered_shapes(hlo)
+    assert len(gathered) <= 2 and set(gathered) <= {inputs["key"].shape}, (
+        f"all-gathers of {gathered}: more than dk and dv (shape {inputs['key'].shape})")
   ring_axes = case.specs["query"][1] if case.ring else None
   ring_axes = (ring_axes,) if isinstance(ring_axes, str) else ring_axes or ()
   if np.prod([mesh.shape[a] for a in ring_axes]) > 1:  # (a ring of one device has no permutes)
     assert "collective-permute" in hlo, "ring attention without collective permutes"
+
+
+GQA_CASES = [name for name in CASES if name.startswith(("gqa_", "mqa_"))]
+
+
+@pytest.mark.parametrize("name", GQA_CASES)
+def test_gqa_heads_under_gspmd(name, backend, device):
+  """The GQA and MQA head cases under GSPMD, where this JAX still has it. There is no sharding
+  rule then: the Plan alone gives the results' shardings, so the gradients of replicated K/V
+  over whole kv heads per device stay sharded (no all-gather in that case either)."""
+  case = CASES[name]
+  mesh = case_mesh(backend, case)
+  inputs, cotangent = _inputs(case, jnp.float32, device)
+  static = case.static()
+  attention = _attention_fn(case, mesh)
+  single, single_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+  try:
+    jax.config.update("jax_use_shardy_partitioner", False)
+  except (AttributeError, ValueError):
+    pytest.skip("this JAX has Shardy only")
+  try:
+    sharded_inputs, sharded_cotangent = _shard(inputs, cotangent, case, mesh)
+    ours, ours_grads = reference.forward_and_grads(attention, sharded_inputs, sharded_cotangent,
+                                                   **static)
+    hlo = jax.jit(_grad_fn(case, attention)).lower(sharded_inputs,
+                                                   sharded_cotangent).compile().as_text()
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", True)
+  assert_same_kernel(ours, single, jnp.float32, "out (GSPMD)")
+  for g in single_grads:
+    assert_same_kernel(ours_grads[g], single_grads[g], jnp.float32, f"{g} (GSPMD)")
+  if case.local or case.kv_grads_gathered:
+    for collective in ("all-gather", "all-to-all"):
+      assert collective not in hlo, f"the compiled forward+backward has an {collective} (GSPMD)"
 
 
 # ---------------------------------------------------------------- ring_attention in shard_map
