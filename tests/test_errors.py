@@ -162,6 +162,8 @@ def test_segment_ids_beyond_int32_raise(backend):
 def test_segment_ids_of_other_integer_dtypes(dtype, backend):
   """Narrow integer ids are cast to int32, as are wide ones whose (concrete) values fit: the
   same result as int32 ids."""
+  if backend == "cuda":
+    pytest.skip("the CUDA kernels have no segment ids yet (test_attention checks the refusal)")
   ids = np.array([[0] * (T // 2) + [1] * (T - T // 2)] * B)
   kv_ids = np.array([[0] * (S // 2) + [1] * (S - S // 2)] * B)
   want = jaxflash.attention(**_valid(), query_segment_ids=ids.astype(np.int32),
