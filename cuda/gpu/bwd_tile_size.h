@@ -121,6 +121,21 @@ constexpr int bwd_smem_bytes(const BwdTiles& t, int elem_bytes, int d, bool dq_b
   return tiles + (dq_bulk ? t.block_m * (d / t.q_chunks) * 4 : 0);
 }
 
+// The CTA schedule (bwd_key_tile.h): tickets run through groups of instances,
+// so that about this many key tiles of each instance are in flight at once:
+// the SM count / kBwdKeyTilesInFlight instances' Q and dO, which every key
+// tile of the instance reads in full, then stay in L2. Taking instances fastest
+// instead (one group of all) left 1-2 key tiles per instance in flight once
+// there were more instances than SMs, and the CTAs streamed Q / dO from
+// memory: H100 sm_90 kernel, bf16, 16k tokens (4 x 4k x 16 heads), groups of
+// 16 instances against all 64 (the 2026-11-25 experiment, bwd_selftest
+// bench-only): D = 64 N = 4k 229 -> 345 TFLOP/s, causal 198 -> 252; D = 128
+// 348 -> 404, causal 290 -> 306; N = 1k +27-36% (causal +3-12%); N = 16k
+// (16 instances) unchanged. Groups of 8 did as well without causal masking and
+// worse with it (longer dQ turn chains between key tiles started together),
+// groups of 32 in between.
+constexpr int kBwdKeyTilesInFlight = 8;
+
 // ---- The sm_90 family (bwd_sm90_kernel.h: wgmma) ----
 //
 // 16-bit D = 64 and 128 without bias or mask (the fast variant's cases) on
