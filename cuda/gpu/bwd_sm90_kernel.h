@@ -40,7 +40,6 @@
 // to the consumers (setmaxnreg), as the forward's producer does.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "bwd_dq.h"
@@ -67,14 +66,11 @@ struct BwdSm90Config {
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;  // and the dQ writer's
   static constexpr int kConsumerBarrier = 1;  // the consumers' named barrier
-  // Registers per thread after setmaxnreg, balanced against the launch's
-  // allocation as in fwd_sm90_kernel.h: the writer keeps 24, the consumers 240.
-  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // Registers per thread after setmaxnreg (primitives/tma.h's balance): the
+  // writer's warpgroup keeps 24, the consumers get 240.
   static constexpr int kWriterRegs = 24;
-  static constexpr int kConsumerRegs =
-      std::min(240, (kLaunchRegs * kThreads - 128 * kWriterRegs) / kConsumerThreads / 8 * 8);
-  static_assert(128 * kWriterRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
-                "setmaxnreg cannot give out more registers than the launch allocated");
+  static constexpr int kConsumerRegs = consumer_regs(kThreads, kConsumerThreads, kWriterRegs);
+  static_assert(kConsumerRegs == 240, "the registers bwd_tile_size.h counts on");
   static constexpr int kGroupKeys = kBlockN / 2;
   static constexpr int kSubM = 64;  // queries per S^T / dP^T product
   static constexpr BwdDqGrid kDq = bwd_sm90_dq_grid(D);

@@ -13,7 +13,6 @@
 // warps' m16 fragment: wgmma's accumulator layout is mma.sync's.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "fwd_epilogue.h"
@@ -46,18 +45,12 @@ struct FwdSm90Config {
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  // Registers per thread after setmaxnreg. The launch allocates kLaunchRegs
-  // to every thread (__launch_bounds__: 65536 / kThreads in multiples of 8),
-  // and setmaxnreg only moves them between warpgroups: a consumer's increase
-  // waits until the producer's decrease has freed enough of the CTA's pool,
-  // so the two must balance (a producer kept at 32 beside two consumers of
-  // 240 hung the H100). The producer keeps 24; the consumers take the rest,
-  // at most 240: two get 240, three 160.
-  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // Registers per thread after setmaxnreg (primitives/tma.h's balance): the
+  // producer keeps 24; the consumers take the rest, at most 240: two get 240,
+  // three 160.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs =
-      std::min(240, (kLaunchRegs * kThreads - 128 * kProducerRegs) / kConsumerThreads / 8 * 8);
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
+  static constexpr int kConsumerRegs = consumer_regs(kThreads, kConsumerThreads, kProducerRegs);
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= launch_regs(kThreads) * kThreads,
                 "setmaxnreg cannot give out more registers than the launch allocated");
   static_assert(kConsumers != 2 || kConsumerRegs == 240, "the shape tile_size.h measured");
   static_assert(kConsumers != 3 || kConsumerRegs == 160, "the shape tile_size.h measured");

@@ -136,6 +136,19 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// setmaxnreg's balance for a CTA of `threads` threads, one per SM: the launch
+// gives every thread launch_regs (__launch_bounds__: 65536 / threads in
+// multiples of 8), and setmaxnreg only moves them between warpgroups: a
+// consumer's increase waits until the producer's decrease has freed enough of
+// the CTA's pool, so the two must balance (a producer kept at 32 beside two
+// consumers of 240 hung the H100). The producer warpgroup keeps `kept`; the
+// consumer threads share the rest, at most 240 each.
+constexpr int launch_regs(int threads) { return 65536 / threads / 8 * 8; }
+constexpr int consumer_regs(int threads, int consumer_threads, int kept) {
+  const int share = (launch_regs(threads) * threads - 128 * kept) / consumer_threads / 8 * 8;
+  return share < 240 ? share : 240;
+}
+
 // Moves registers between warpgroups: a producer gives up what it does not
 // need and the consumers take it (all warps of a warpgroup execute it together).
 template <int N>
