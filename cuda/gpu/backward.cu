@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -231,6 +232,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.k_tiles = (p.seqlen_k + tiles.block_n - 1) / tiles.block_n;
   rt.kv_reduce_mask = kv_mask;
   rt.kv_kept = split_count(p, kv_mask, false);
+  int sms = 0;
+  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  rt.ticket_group = std::clamp<int64_t>(sms / kBwdKeyTilesInFlight, 1, std::max<int64_t>(rt.kv_kept, 1));  // H100: 33
   rt.kv_reduced = split_count(p, kv_mask, true);
   rt.dbias_reduce_mask = want_dbias ? shared_axes(p, p.dbias) : 0u;
   rt.dbias_kept = split_count(p, rt.dbias_reduce_mask, false);

@@ -16,14 +16,16 @@
 // (params.h computes both from one rule).
 //
 // No deadlock. CTAs do not use blockIdx: each takes a ticket from a zeroed
-// counter on entry and decodes (kept instance, key tile) from it, key tile
-// slowest. A warp only ever waits for a warp of a CTA of the same kept
-// instance with a smaller key tile, i.e. a smaller ticket, and a CTA holding
+// counter on entry and decodes (kept instance, key tile) from it
+// (bwd_key_tile.h): within an instance, key tiles ascend with the ticket. A
+// warp only ever waits for a warp of a CTA of the same kept instance with a
+// smaller key tile, i.e. a smaller ticket, and a CTA holding
 // a ticket is resident (it took it while running). By induction on tickets
 // the smallest unfinished one waits on nothing unfinished (its warps wait
 // only for each other, at barriers), so it completes: no reliance on the
 // hardware dispatching blocks in index order. Tickets also give the longest
-// CTAs (small key tiles under causal masking) the first slots.
+// CTAs of a group of instances (small key tiles under causal masking) the
+// group's first slots.
 //
 // A turn's signal is deferred until just before the warp's next wait (or the
 // CTA's exit), so the completion wait and fence find the adds already done

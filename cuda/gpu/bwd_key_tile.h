@@ -16,8 +16,11 @@
 namespace jaxflash::gpu {
 
 // This CTA's kept instance and key tile. CTAs do not use blockIdx: each takes a
-// ticket from the zeroed counter on entry, key tile slowest, which is what keeps
-// the dQ protocol free of deadlock (bwd_dq.h, "No deadlock").
+// ticket from the zeroed counter on entry. Tickets run through groups of
+// rt.ticket_group instances, and inside a group key tile slowest: within an
+// instance key tiles ascend with the ticket, which is what keeps the dQ protocol
+// free of deadlock (bwd_dq.h, "No deadlock"). The groups keep a few instances'
+// Q / dO in L2 for the CTAs in flight (bwd_tile_size.h: kBwdKeyTilesInFlight).
 struct KeyTileTicket {
   int64_t kept;      // the kept instance
   int64_t key_tile;  // keys [key_tile * BLOCK_N, + BLOCK_N)
@@ -27,8 +30,10 @@ __device__ __forceinline__ KeyTileTicket take_key_tile(const BwdRuntime& rt, int
   __shared__ int s_ticket;
   if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
   __syncthreads();
-  const int64_t ticket = s_ticket;
-  return {ticket % rt.kv_kept, ticket / rt.kv_kept};
+  const int64_t ticket = s_ticket, per_group = rt.ticket_group * rt.k_tiles;
+  const int64_t group = ticket / per_group, first = group * rt.ticket_group, in_group = ticket - group * per_group;
+  const int64_t size = min(rt.ticket_group, rt.kv_kept - first);  // the last group may be smaller
+  return {first + in_group % size, in_group / size};
 }
 
 // The K / V rows now in shared memory.

@@ -121,6 +121,22 @@ constexpr int bwd_smem_bytes(const BwdTiles& t, int elem_bytes, int d, bool dq_b
   return tiles + (dq_bulk ? t.block_m * (d / t.q_chunks) * 4 : 0);
 }
 
+// The CTA schedule (bwd_key_tile.h): tickets run through groups of instances,
+// so that about this many key tiles of each instance are in flight at once:
+// the SM count / kBwdKeyTilesInFlight instances' Q and dO, which every key
+// tile of the instance reads in full, then stay in L2. Taking instances fastest
+// instead (one group of all) left 1-2 key tiles per instance in flight once
+// there were more instances than SMs, and the CTAs streamed Q / dO from
+// memory. H100, sm_90 kernel, bf16, 16k tokens (at N = 4k: 64 instances),
+// bwd_selftest bench-only, groups of 8 / 16 / 32 instances against all
+// (BENCHMARKS.md, 2026-11-25): without causal masking 8, 16 and 32 all gain
+// (N = 4k D = 64 229 -> 341-350 TFLOP/s, D = 128 348 -> 398-406; N = 1k
+// +27-39%); with it the larger groups gain most (32: N = 4k D = 64 198 -> 261,
+// N = 1k D = 128 126 -> 156; 8: 229 and 138), shorter dQ turn chains between
+// key tiles started together. N = 16k (16 instances: one group) unchanged.
+// 4 in flight: groups of 33 on 132 SMs (measured: 32).
+constexpr int kBwdKeyTilesInFlight = 4;
+
 // ---- The sm_90 family (bwd_sm90_kernel.h: wgmma) ----
 //
 // 16-bit D = 64 and 128 without bias or mask (the fast variant's cases) on
