@@ -9,6 +9,7 @@
 
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
+#include "segment_tiles.h"
 #include "tile_size.h"
 #include "../params.h"
 
@@ -19,8 +20,8 @@ namespace jaxflash::gpu {
 // rare features need:
 //   fast    : no bias, no mask, scale > 0, head_dim == D, rows of q, k and v
 //             16-byte aligned
-//   general : everything else: bias and / or mask, dropout, any scale, padded
-//             head dims, any row alignment (element-wise fallback copy)
+//   general : everything else: bias and / or mask, dropout, segment ids, any
+//             scale, padded head dims, any row alignment (element-wise fallback copy)
 // kF32Mma: how float32 operands go through the tensor cores (ptx.h; tf32 by
 // default, 3xTF32 under kExactF32); the same tiles either way.
 template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
@@ -54,6 +55,8 @@ struct FwdOperands {
   const void* bias;     // T or float (FwdRuntime::bias_f32); null when absent or unread
   const uint8_t* mask;  // null when absent or unread
   const uint32_t* seed; // the dropout's seed words; null without dropout (general variant only)
+  const int32_t* q_ids;   // segment ids; null without them (general variant only)
+  const int32_t* kv_ids;
   void* o;     // T, or float with kOutputF32
   float* lse;  // null when absent
 };
@@ -103,14 +106,18 @@ struct FwdRuntime {
   // is covered, every operand has a TMA descriptor), with these descriptors.
   bool sm90;
   FwdTmaOperand tma_q, tma_k, tma_v;
+  // Segment ids: the id ranges of the general variant's tiles, in the forward's scratch
+  // (segment_tiles.h); null tables without ids.
+  SegmentTiles segments;
 };
 
-// The fast variants' conditions that hold for any head dim: no bias or mask,
-// scale > 0 (not folded), rows of q, k and v 16-byte aligned. The mma.sync fast
+// The fast variants' conditions that hold for any head dim: no bias, mask or
+// segment ids, scale > 0 (not folded), rows of q, k and v 16-byte aligned. The mma.sync fast
 // variant also wants no dropout and head_dim == D (fwd_launch.h); the sm_90
 // kernel has a dropout copy (forward.cu).
 inline bool fwd_fast_case(const AttentionParams& p, const FwdRuntime& rt) {
-  return !p.has(kHasBias) && !p.has(kHasMask) && !rt.fold_scale && rt.q_vec && rt.k_vec && rt.v_vec;
+  return !p.has(kHasBias) && !p.has(kHasMask) && !p.has(kHasSegmentIds) && !rt.fold_scale && rt.q_vec && rt.k_vec &&
+         rt.v_vec;
 }
 
 }  // namespace jaxflash::gpu
