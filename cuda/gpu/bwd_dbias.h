@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                             : static_cast<const void*>(inst.origin<const T>(p, p.bias));
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
-      const bool ids = rt.segments.q != nullptr;
+      constexpr bool ids = Cfg::kSegmentIds;
       if (ids) {
         in.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
         in.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);

@@ -10,7 +10,8 @@
 // dQ goes into the fp32 workspace in a fixed order, so the result is bitwise
 // reproducible: bwd_dq.h has the protocol (shared with bwd_sm90_kernel.h).
 //
-// Segment ids (general variant): a Q tile whose id range cannot meet the key
+// Segment ids (the general variant's copy for them, Cfg::kSegmentIds): a Q tile
+// whose id range cannot meet the key
 // tile's (rt.segments, segment_tiles.h) is skipped whole, loads included. It
 // takes no dQ turn, so the turns count only the key tiles that meet the Q tile:
 // key tile j's turn on Q tile i is the number of tiles in [j_first, j) whose
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
     }
-    const bool ids = Cfg::kGeneral && rt.segments.q != nullptr;
+    constexpr bool ids = Cfg::kSegmentIds;
     if (ids) {
       in.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
       in.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);

@@ -20,14 +20,22 @@ namespace jaxflash::gpu {
 // kSoftcap: a copy of the general variant for a logit soft-cap, whose main
 // kernel keeps each score's tanh slope from P to dS (a register per score
 // that the copy without keeps for itself).
-template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSoftcap_ = false>
+// kSegmentIds: a copy of the general variant (main and dbias kernels) for
+// segment ids (segment_tiles.h): their tile skipping, dQ turn count and element
+// test cost registers that the general variant, at 255 of them, would pay in
+// spills for every call (bf16 D = 192 on sm_90a: 48 / 12 -> 232 / 308 bytes
+// stored / loaded).
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSoftcap_ = false,
+          bool kSegmentIds_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;
   static constexpr bool kGeneral = kGeneral_;
   static constexpr F32Mma kF32Mma = kF32Mma_;
   static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr bool kSegmentIds = kSegmentIds_;
   static_assert(kGeneral || !kSoftcap, "the soft-cap is in the general variant");
+  static_assert(kGeneral || !kSegmentIds, "segment ids are in the general variant");
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static constexpr BwdTiles kTiles = bwd_tiles(static_cast<int>(sizeof(T)), D, kGeneral);
   static constexpr int kBlockM = kTiles.block_m;

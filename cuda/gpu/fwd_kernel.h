@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
                              : static_cast<const void*>(inst.origin<const T>(p, p.bias));
     if (Cfg::kGeneral && p.has(kHasMask)) ops.mask = inst.origin<const uint8_t>(p, p.mask);
     if (Cfg::kGeneral && p.has(kDropout)) ops.seed = inst.origin<const uint32_t>(p, p.seed);
-    if (Cfg::kGeneral && p.has(kHasSegmentIds)) {
+    if constexpr (Cfg::kSegmentIds) {
       ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
       ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
     }

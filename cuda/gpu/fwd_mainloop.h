@@ -18,10 +18,11 @@
 // Cfg::kSplitSteps masked and whole tiles get separate copies of the step (the
 // whole one free of mask branches); otherwise one copy branches inside.
 //
-// Segment ids (general variant): a key tile whose id range cannot meet the query
-// tile's (rt.segments, segment_tiles.h) is skipped whole, K prefetch included:
-// the loop steps from one meeting tile to the next one down. Only the top tile
-// can end past kv_len, so every tile loaded inside the loop is still whole.
+// Segment ids (the general variant's copy for them, Cfg::kSegmentIds): a key
+// tile whose id range cannot meet the query tile's (rt.segments,
+// segment_tiles.h) is skipped whole, K prefetch included: the loop steps from
+// one meeting tile to the next one down. Only the top tile can end past
+// kv_len, so every tile loaded inside the loop is still whole.
 #pragma once
 
 #include <cstdint>
@@ -79,7 +80,7 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], co
       if (view.col_stride == 1) apply_mask<true>(s, view, row0, n0, pos, lane);
       else apply_mask<false>(s, view, row0, n0, pos, lane);
     }
-    if (segment_test) {
+    if (Cfg::kSegmentIds && segment_test) {
       const int64_t qs = p.q_segment_ids.row_stride, ks = p.kv_segment_ids.row_stride;
       apply_segment_ids(s, ops.q_ids + row0 * qs, qs, ops.kv_ids + n0 * ks, ks, pos.q_len - row0, pos.kv_len - n0,
                         lane);
@@ -118,7 +119,7 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
 
   // Segment ids: whether key tile n0 may see this query tile, and whether it
   // needs the element test (both uniform over the CTA).
-  const bool ids = Cfg::kGeneral && rt.segments.q != nullptr;
+  constexpr bool ids = Cfg::kSegmentIds;
   const int first = key_lo / BN * BN;
   auto meets = [&](int n0) { return !ids || rt.segments.may_meet(linear, m0 / BM, n0 / BN); };
   auto next_down = [&](int n0) {  // the next key tile below n0 to visit; < first when none
@@ -127,8 +128,10 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
     return n0;
   };
   int last = (key_hi - 1) / BN * BN;
-  if (!meets(last)) last = next_down(last);
-  if (last < first) return;  // no key tile shares an id with these rows: O = 0, lse = -inf
+  if constexpr (ids) {
+    if (!meets(last)) last = next_down(last);
+    if (last < first) return;  // no key tile shares an id with these rows: O = 0, lse = -inf
+  }
 
   load_tile<kThreads>(sQ, ops.q + m0 * p.q.row_stride, p.q.row_stride, min(pos.q_len - m0, BM), cols, q_vec, tid);
   load_tile<kThreads>(sK, ops.k + last * k_stride, k_stride, kv_rows(last), cols, k_vec, tid);
@@ -136,7 +139,6 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
 
   // One key tile at n0. masked (a bool, or a std::bool_constant for a
   // specialised copy): the position mask applies, and V may end past kv_len.
-  // Returns the next tile to visit (< first: none).
   auto step = [&](int n0, auto masked_arg) {
     bool masked;  // a compile-time constant in the specialised copies
     if constexpr (std::is_same_v<decltype(masked_arg), bool>)
@@ -156,8 +158,7 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
 
     cp_async_wait<0>();  // V landed
     __syncthreads();     // ... for every thread; and every warp is done with K
-    const int next = next_down(n0);
-    if (next >= first) {  // a tile below the top one is whole: next + BN <= kv_len
+    if (const int next = next_down(n0); next >= first) {  // below the top tile: whole, next + BN <= kv_len
       load_tile<kThreads>(sK, ops.k + next * k_stride, k_stride, BN, cols, k_vec, tid);
       cp_async_commit();
     }
@@ -169,17 +170,16 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
     typename Pv::AFrag a[Cfg::kMF][Cfg::kBlockN / Pv::kK];
     p_fragments<T, Cfg::kF32Mma>(a, s);
     gemm_pv<T, Cfg::kF32Mma>(o, a, sV, lane);
-    return next;
   };
 
   const FullTiles<BN> full(pos, m0, min(m0 + BM, pos.q_len) - 1);
   if constexpr (Cfg::kSplitSteps) {
     int n0 = last;
-    while (n0 >= first && n0 > full.hi) n0 = step(n0, std::true_type{});    // kv_len, diagonal, right edge
-    while (n0 >= first && n0 >= full.lo) n0 = step(n0, std::false_type{});  // the bulk
-    while (n0 >= first) n0 = step(n0, std::true_type{});                     // left window edge
+    for (; n0 >= first && n0 > full.hi; n0 = next_down(n0)) step(n0, std::true_type{});    // kv_len, diagonal, right edge
+    for (; n0 >= first && n0 >= full.lo; n0 = next_down(n0)) step(n0, std::false_type{});  // the bulk
+    for (; n0 >= first; n0 = next_down(n0)) step(n0, std::true_type{});                    // left window edge
   } else {
-    for (int n0 = last; n0 >= first;) n0 = step(n0, !full.contain(n0));
+    for (int n0 = last; n0 >= first; n0 = next_down(n0)) step(n0, !full.contain(n0));
   }
 }
 

@@ -24,13 +24,19 @@ namespace jaxflash::gpu {
 //             scale, padded head dims, any row alignment (element-wise fallback copy)
 // kF32Mma: how float32 operands go through the tensor cores (ptx.h; tf32 by
 // default, 3xTF32 under kExactF32); the same tiles either way.
-template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
+// kSegmentIds: a copy of the general variant for segment ids (segment_tiles.h):
+// its tile skipping and element test cost registers that the general variant,
+// at 255 of them, would pay in spills for every call (bf16 D = 256 on sm_80:
+// 0 -> 60 / 164 bytes stored / loaded).
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSegmentIds_ = false>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;                // padded; columns >= head_dim are zero
   static constexpr bool kGeneral = kGeneral_;
   static constexpr F32Mma kF32Mma = kF32Mma_;
+  static constexpr bool kSegmentIds = kSegmentIds_;
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
+  static_assert(kGeneral || !kSegmentIds, "segment ids are in the general variant");
   static constexpr int kBlockM = FwdTileSize<sizeof(T), D, kGeneral>::kBlockM;
   static constexpr int kBlockN = FwdTileSize<sizeof(T), D, kGeneral>::kBlockN;
   static constexpr bool kSplitSteps = FwdTileSize<sizeof(T), D, kGeneral>::kSplitSteps;

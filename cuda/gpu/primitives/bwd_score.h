@@ -104,19 +104,13 @@ __device__ __forceinline__ void bwd_apply_mask(float (&s)[MF][NF][4], const uint
 
 // -inf where the query's and the key's segment ids differ (packed sequences) or
 // outside [0, q_len) x [0, kv_len), where the ids are not read. q_ids / kv_ids:
-// the instance's ids (origins).
+// the instance's ids (origins). Key ids are loaded where compared (L1 hits
+// after the first row), as in the forward's apply_segment_ids.
 template <int MF, int NF>
 __device__ __forceinline__ void bwd_apply_segment_ids(float (&s)[MF][NF][4], const int32_t* q_ids, int64_t q_stride,
                                                       const int32_t* kv_ids, int64_t kv_stride, const ScoreBlock& blk,
                                                       int lane) {
-  int32_t key[NF][2];
-#pragma unroll
-  for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int col = frag_col(nf, c, lane);
-      key[nf][c] = col < blk.kv_end ? __ldg(kv_ids + (blk.col0 + col) * kv_stride) : 0;
-    }
+  const int32_t* keys = kv_ids + blk.col0 * kv_stride;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -127,8 +121,10 @@ __device__ __forceinline__ void bwd_apply_segment_ids(float (&s)[MF][NF][4], con
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-        for (int c = 0; c < 2; ++c)
-          if (!row_in || frag_col(nf, c, lane) >= blk.kv_end || key[nf][c] != query) s[mf][nf][2 * h + c] = -INFINITY;
+        for (int c = 0; c < 2; ++c) {
+          const int col = frag_col(nf, c, lane);
+          if (!row_in || col >= blk.kv_end || __ldg(keys + col * kv_stride) != query) s[mf][nf][2 * h + c] = -INFINITY;
+        }
     }
 }
 

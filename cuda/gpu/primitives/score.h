@@ -123,20 +123,14 @@ __device__ __forceinline__ void apply_mask(float (&s)[MF][NF][4], const QueryKey
 
 // -inf where the query's and the key's segment ids differ (packed sequences), and
 // outside [0, rows) x [0, cols) (q_len, kv_len), where the ids are not read. q_ids
-// and kv_ids point at the ids of the block's first row and first column. The
-// lane's key ids are loaded once for all its rows.
+// and kv_ids point at the ids of the block's first row and first column. Key
+// ids are loaded where compared (L1 hits after the first row), not held in
+// 2 NF registers across the rows (ptxas spilled the same either way at bf16
+// D = 256; unmeasured for speed).
 template <int MF, int NF>
 __device__ __forceinline__ void apply_segment_ids(float (&s)[MF][NF][4], const int32_t* q_ids, int64_t q_stride,
                                                   const int32_t* kv_ids, int64_t kv_stride, int rows, int cols,
                                                   int lane) {
-  int32_t key[NF][2];
-#pragma unroll
-  for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int col = frag_col(nf, c, lane);
-      key[nf][c] = col < cols ? __ldg(kv_ids + col * kv_stride) : 0;
-    }
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
@@ -148,7 +142,8 @@ __device__ __forceinline__ void apply_segment_ids(float (&s)[MF][NF][4], const i
       for (int nf = 0; nf < NF; ++nf) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          if (!row_in || frag_col(nf, c, lane) >= cols || key[nf][c] != query) s[mf][nf][2 * h + c] = -INFINITY;
+          const int col = frag_col(nf, c, lane);
+          if (!row_in || col >= cols || __ldg(kv_ids + col * kv_stride) != query) s[mf][nf][2 * h + c] = -INFINITY;
         }
       }
     }
