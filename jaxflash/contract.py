@@ -62,7 +62,7 @@ FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q
 # The optional ones, which absent placeholders stand in for (jaxflash/attention.py binds them).
 OPTIONAL_INPUTS = FORWARD_INPUTS[3:]
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
-FORWARD_RESULTS = ("o", "lse")
+FORWARD_RESULTS = ("o", "lse", "workspace")
 BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
 
 # The slots whose ROW axis runs along the query positions; the other slots with a

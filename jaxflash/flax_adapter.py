@@ -22,8 +22,7 @@ query_segment_ids=ids, key_value_segment_ids=ids)`` as the module's ``attention_
 then combines them with whatever mask the module passes. A block-diagonal mask is not yet
 recognised and turned into ids: that is possible on the device in the same pass as the
 classification above (ids from where each row's diagonal neighbour is masked, checked
-against the whole mask), but lax.switch lowers every branch, and the segment-id branch would
-then fail to lower on a GPU, whose kernels do not have segment ids yet.
+against the whole mask), as one more branch of the lax.switch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The kernel primitives: one custom call per direction, on the arrays one device holds.
 
 ``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
-                          q_segment_ids, kv_segment_ids) -> (o, lse)
+                          q_segment_ids, kv_segment_ids) -> (o, lse, workspace)
 ``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
                           q_segment_ids, kv_segment_ids, lse, delta, d_o)
                          -> (dq, dk, dv, dbias, workspace)
@@ -11,8 +11,10 @@ lo, whose sum is exact (cuda/params.h says why); jaxflash.attention hands its ca
 hi ln 2, the natural log.
 Absent optional operands are zero-size arrays (flags say which are present);
 ``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py).
-``workspace`` is the CUDA backward's scratch (uint8), sized here at abstract
-evaluation by the native module so the handler never allocates.
+``workspace`` is the CUDA kernels' scratch (uint8), sized here at abstract evaluation by
+the native module so the handler never allocates: the backward's dQ accumulator and row
+statistics, both directions' per-tile segment-id ranges (zero-size for a forward without
+segment ids, and in a CPU-only build; the CPU kernels ignore it).
 Each primitive has an abstract evaluation, a batching rule that folds the
 vmapped axis into the kernel's instance space (no transpose or copy of the
 operands: the axis becomes a stride), and a lowering to the FFI target of the
@@ -84,9 +86,10 @@ def _new_instance_axis(config: KernelConfig, names: Sequence[str], args, dims):
   return config.with_layouts(updates), axis
 
 
-def forward_batching_rule(primitive):
-  """The batching rule of a primitive that takes FORWARD_INPUTS and returns (o, lse): one
-  call of it, whatever the vmap nesting. jaxflash/primitives.py's forward shares it."""
+def forward_batching_rule(primitive, extra_results: int):
+  """The batching rule of a primitive that takes FORWARD_INPUTS and returns (o, lse) and
+  `extra_results` unbatched results: one call of it, whatever the vmap nesting.
+  jaxflash/primitives.py's forward shares it."""
   def rule(args, dims, *, config):
     config, axis = _new_instance_axis(config, FORWARD_INPUTS, args, dims)
     # The output follows q's layout (the vmapped axis where q has it, else in
@@ -95,7 +98,7 @@ def forward_batching_rule(primitive):
     o_layout = insert_axis(config.layout("o"), o_dim, axis)
     lse = lse_layout(o_layout)
     config = config.with_layouts({"o": o_layout, "lse": lse})
-    return primitive.bind(*args, config=config), (o_dim, lse.index(axis))
+    return primitive.bind(*args, config=config), (o_dim, lse.index(axis)) + (None,) * extra_results
   return rule
 
 
@@ -122,20 +125,30 @@ def backward_batching_rule(primitive, extra_results: int):
 
 # ---------------------------------------------------------------- primitives
 
+def _workspace_aval(q, config: KernelConfig, bytes_of):
+  """The uint8 scratch result, `bytes_of` the native module's size for this direction."""
+  T, S, H = config.seq_dims
+  size = bytes_of(math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype).name],
+                  config.has(Flag.HAS_SEGMENT_IDS))
+  return result_aval(q, (size,), jnp.uint8)
+
+
+def _forward_kernel_abstract_eval(q, *rest, config):
+  del rest
+  return forward_avals(q, config) + (_workspace_aval(q, config, _native.forward_workspace_bytes),)
+
+
 forward_kernel_p = core.Primitive("jaxflash_fwd_kernel")
 forward_kernel_p.multiple_results = True
-forward_kernel_p.def_abstract_eval(
-    lambda q, *rest, config: forward_avals(q, config))
-batching.primitive_batchers[forward_kernel_p] = forward_batching_rule(forward_kernel_p)
+forward_kernel_p.def_abstract_eval(_forward_kernel_abstract_eval)
+batching.primitive_batchers[forward_kernel_p] = forward_batching_rule(
+    forward_kernel_p, 1)  # the workspace
 
 
 def _backward_kernel_abstract_eval(q, k, v, bias, *rest, config):
   del rest
-  T, S, H = config.seq_dims
-  workspace_bytes = _native.backward_workspace_bytes(
-      math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype).name])
   return gradient_avals(q, k, v, bias, config) + (
-      result_aval(q, (workspace_bytes,), jnp.uint8),)
+      _workspace_aval(q, config, _native.backward_workspace_bytes),)
 
 
 backward_kernel_p = core.Primitive("jaxflash_bwd_kernel")
@@ -154,16 +167,9 @@ def _lowering(target: str):
   return rule
 
 
-def _check_cuda_call(config: KernelConfig) -> None:
-  """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
-  by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
-  contract.CUDA_MAX_SEQLEN) and segment ids (not in the CUDA kernels yet)."""
-  if config.has(Flag.HAS_SEGMENT_IDS):
-    raise NotImplementedError(
-        "jaxflash.attention: query_segment_ids / key_value_segment_ids run on the CPU kernels "
-        "only for now; the CUDA kernels do not have them yet (a dense boolean mask of the "
-        "same packing works on the GPU: mask=(q_ids[:, None, :, None] == kv_ids[:, None, "
-        "None, :])).")
+def _check_cuda_positions(config: KernelConfig) -> None:
+  """The CUDA kernels hold positions in 32 bits (contract.CUDA_MAX_SEQLEN): a longer sequence
+  is refused here, when the call is lowered for a GPU, rather than by the kernel at run time."""
   T, S, _ = config.seq_dims
   for what, n in (("query sequence length (query.shape[-3])", T),
                   ("key/value sequence length (key.shape[-3])", S),
@@ -180,7 +186,7 @@ def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
   its strides follow that layout: XLA then transposes it around the call, on CUDA only and
   only in that case (the batching rules stay copy-free on every platform)."""
   def rule(ctx, *args, config):
-    _check_cuda_call(config)
+    _check_cuda_positions(config)
     orders = config.col_minor_orders()
     if not orders:
       return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())

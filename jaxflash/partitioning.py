@@ -45,7 +45,9 @@ from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, FORWARD_INPUTS
                                QUERY_ROW_SLOTS, Flag, KernelConfig, absent)
 from jaxflash.layout import COL, ROW, Axis, role_axis
 
-GRADIENTS = BACKWARD_RESULTS[:4]  # the kernel's workspace stays inside the partition
+# The kernels' workspaces stay inside the partition.
+OUTPUTS = FORWARD_RESULTS[:2]
+GRADIENTS = BACKWARD_RESULTS[:4]
 
 # The factor of each slot's COL axis (the seed's COL axis, its two words, has none: never
 # sharded); a ROW axis is t for QUERY_ROW_SLOTS, else s.
@@ -409,8 +411,9 @@ def _infer(slots: Sequence[str], results: Sequence[str]):
 
 
 def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, config):
-  return tuple(kernels.forward_kernel_p.bind(q, k, v, bias, mask, q_lens, kv_lens, seed,
-                                             q_segment_ids, kv_segment_ids, config=config))
+  o, lse, _workspace = kernels.forward_kernel_p.bind(q, k, v, bias, mask, q_lens, kv_lens, seed,
+                                                     q_segment_ids, kv_segment_ids, config=config)
+  return o, lse
 
 
 def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, lse,
@@ -422,9 +425,9 @@ def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segm
 
 
 forward = custom_partitioning(_forward, static_argnums=(len(FORWARD_INPUTS),))
-forward.def_partition(partition=_partition(FORWARD_INPUTS, FORWARD_RESULTS, _forward, _ring_forward),
-                      infer_sharding_from_operands=_infer(FORWARD_INPUTS, FORWARD_RESULTS),
-                      sharding_rule=_sharding_rule(FORWARD_INPUTS, FORWARD_RESULTS))
+forward.def_partition(partition=_partition(FORWARD_INPUTS, OUTPUTS, _forward, _ring_forward),
+                      infer_sharding_from_operands=_infer(FORWARD_INPUTS, OUTPUTS),
+                      sharding_rule=_sharding_rule(FORWARD_INPUTS, OUTPUTS))
 backward = custom_partitioning(_backward, static_argnums=(len(BACKWARD_INPUTS),))
 backward.def_partition(partition=_partition(BACKWARD_INPUTS, GRADIENTS, _backward, _ring_backward),
                        infer_sharding_from_operands=_infer(BACKWARD_INPUTS, GRADIENTS),

@@ -42,7 +42,7 @@ forward_p = core.Primitive("jaxflash_fwd")
 forward_p.multiple_results = True
 forward_p.def_abstract_eval(lambda q, *rest, config: forward_avals(q, config))
 forward_p.def_impl(_eager(forward_p))
-batching.primitive_batchers[forward_p] = forward_batching_rule(forward_p)
+batching.primitive_batchers[forward_p] = forward_batching_rule(forward_p, 0)
 
 
 # ---------------------------------------------------------------- backward

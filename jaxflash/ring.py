@@ -316,7 +316,7 @@ def forward(q, k, v, ring: Ring):
       lo, hi = span = ring_pass.query_span(step)
 
       def compute(task: Task, k_rows, v_rows):
-        o_part, lse_part = kernels.forward_kernel_p.bind(
+        o_part, lse_part, _workspace = kernels.forward_kernel_p.bind(
             _rows(q, config.layout("q"), task.q0, task.tq), k_rows, v_rows,
             *_absent_operands(q.dtype), config=ring.task_config(task, config))
         return (_pad_rows(o_part, o_layout, task.q0 - lo, hi - lo, 0.0),

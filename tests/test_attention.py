@@ -415,11 +415,6 @@ def check_against_reference(case: Case, backend: str, device):
   # Inputs, reference and baseline are made on the CPU; only ours runs on `backend`.
   inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
   static = case.static_kwargs()
-  if case.segments is not None and backend == "cuda":
-    # Not in the CUDA kernels yet: refused, by name, rather than ignored.
-    with pytest.raises(NotImplementedError, match="segment_ids.*CPU kernels only"):
-      reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
-    return
 
   ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
   (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(

@@ -272,8 +272,6 @@ def test_flax_attention_passes_the_soft_cap(masking, backend, device):
 def test_flax_attention_passes_segment_ids(masking, backend, device):
   """Segment ids bound with functools.partial are jaxflash.attention's, combined with the
   module's mask whichever kernel call its classification picks, also with two batch axes."""
-  if backend == "cuda":
-    pytest.skip("the CUDA kernels have no segment ids yet (test_attention checks the refusal)")
   inputs = reference.random_inputs(jax.random.key(6), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
                                                            k=(BATCH, LENGTH, NUM_HEADS, 16),
                                                            v=(BATCH, LENGTH, NUM_HEADS, 16)),

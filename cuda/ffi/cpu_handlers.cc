@@ -78,7 +78,7 @@ ffi::Error forward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                        ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                       LayoutAttrs attrs) {
+                       ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/, LayoutAttrs attrs) {
   AttentionParams p;
   if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids}, *o,
                               *lse, attrs);

@@ -26,26 +26,21 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
-// The CUDA kernels have no segment ids yet (params.h); Python refuses them when it lowers for
-// CUDA, this for any other caller, so that no kernel ignores them.
-ffi::Error refuse_segment_ids(const AttentionParams& p) {
-  if (p.has(kHasSegmentIds))
-    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no segment ids yet");
-  return ffi::Error::Success();
-}
-
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                        LayoutAttrs attrs) {
+                        ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
   if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids}, *o,
                               *lse, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_segment_ids(p); e.failure()) return e;
-  return launch_status(gpu::launch_forward(p, stream), "forward");
+  const int64_t needed = gpu::forward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim,
+                                                      p.dtype, p.has(kHasSegmentIds));
+  if (static_cast<int64_t>(workspace->size_bytes()) < needed)
+    return ffi::Error::InvalidArgument("jaxflash: forward workspace is too small");
+  return launch_status(gpu::launch_forward(p, workspace->untyped_data(), stream), "forward");
 }
 
 ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -60,9 +55,8 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                                delta, d_o, *dq, *dk, *dv, *dbias, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_segment_ids(p); e.failure()) return e;
-  const int64_t needed =
-      gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim, p.dtype);
+  const int64_t needed = gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim,
+                                                       p.dtype, p.has(kHasSegmentIds));
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)
     return ffi::Error::InvalidArgument("jaxflash: backward workspace is too small");
   return launch_status(gpu::launch_backward(p, workspace->untyped_data(), stream), "backward");

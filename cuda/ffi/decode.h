@@ -240,8 +240,8 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
 }
 
 // The FFI signatures, after each platform's context (thread pool or stream).
-// Forward: inputs, then results o, lse. Backward: inputs, lse, delta, d_o, then
-// results dq, dk, dv, dbias, workspace. Both end with the layout attributes.
+// Forward: inputs, then results o, lse, workspace. Backward: inputs, lse, delta,
+// d_o, then results dq, dk, dv, dbias, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
 auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids
@@ -264,7 +264,10 @@ auto bind_attributes(Binding&& binding) {
 
 template <class Binding>
 auto bind_forward(Binding&& binding) {
-  return bind_attributes(bind_inputs(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>());
+  return bind_attributes(bind_inputs(std::move(binding))
+                             .template Ret<ffi::AnyBuffer>()    // o
+                             .template Ret<ffi::AnyBuffer>()    // lse
+                             .template Ret<ffi::AnyBuffer>());  // workspace
 }
 
 template <class Binding>

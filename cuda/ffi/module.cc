@@ -9,6 +9,7 @@
 #include "cuda/params.h"
 #ifdef JAXFLASH_WITH_CUDA
 #include "cuda/gpu/backward.h"
+#include "cuda/gpu/forward.h"
 #endif
 
 namespace nb = nanobind;
@@ -80,15 +81,25 @@ NB_MODULE(_native, m) {
 #endif
     return targets;
   });
-  // Scratch bytes the backward needs (its last result), sized at abstract
+  // Scratch bytes each direction needs (its last result), sized at abstract
   // evaluation; 0 in a CPU-only build (the CPU kernels need none).
+  m.def("forward_workspace_bytes", [](int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
+                                      int64_t head_dim, int dtype, bool has_segment_ids) -> int64_t {
+#ifdef JAXFLASH_WITH_CUDA
+    return jaxflash::gpu::forward_workspace_bytes(instances, seqlen_q, seqlen_k, head_dim,
+                                                  static_cast<jaxflash::DType>(dtype), has_segment_ids);
+#else
+    (void)instances, (void)seqlen_q, (void)seqlen_k, (void)head_dim, (void)dtype, (void)has_segment_ids;
+    return 0;
+#endif
+  });
   m.def("backward_workspace_bytes", [](int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
-                                       int64_t head_dim, int dtype) -> int64_t {
+                                       int64_t head_dim, int dtype, bool has_segment_ids) -> int64_t {
 #ifdef JAXFLASH_WITH_CUDA
     return jaxflash::gpu::backward_workspace_bytes(instances, seqlen_q, seqlen_k, head_dim,
-                                                   static_cast<jaxflash::DType>(dtype));
+                                                   static_cast<jaxflash::DType>(dtype), has_segment_ids);
 #else
-    (void)instances, (void)seqlen_q, (void)seqlen_k, (void)head_dim, (void)dtype;
+    (void)instances, (void)seqlen_q, (void)seqlen_k, (void)head_dim, (void)dtype, (void)has_segment_ids;
     return 0;
 #endif
   });

@@ -22,6 +22,7 @@
 #include "arch.h"
 #include "bwd_kernel_traits.h"
 #include "instance.h"
+#include "segment_tile_ranges.h"
 
 namespace jaxflash::gpu {
 
@@ -126,9 +127,9 @@ cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const B
 }  // namespace
 
 int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
-                                 DType dtype) {
-  (void)seqlen_k;  // the layout has nothing per key
-  return BwdWorkspaceLayout::of(num_instances, seqlen_q, head_dim, dtype_bytes(dtype)).total_bytes;
+                                 DType dtype, bool has_segment_ids) {
+  return BwdWorkspaceLayout::of(num_instances, seqlen_q, seqlen_k, head_dim, dtype_bytes(dtype), has_segment_ids)
+      .total_bytes;
 }
 
 cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
@@ -157,14 +158,16 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
       (keys && (!p.k.data || !p.v.data || !p.dk.data || !p.dv.data)) ||
       (rows && keys && ((has_bias && !p.bias.data) || (has_mask && !p.mask.data) || (want_dbias && !p.dbias.data))) ||
       (p.has(kHasQLens) && !p.q_lens.data) || (p.has(kHasKvLens) && !p.kv_lens.data) ||
-      (p.has(kDropout) && !p.seed.data))
+      (p.has(kDropout) && !p.seed.data) ||
+      (rows && keys && p.has(kHasSegmentIds) && (!p.q_segment_ids.data || !p.kv_segment_ids.data)))
     return cudaErrorInvalidValue;
   // One writer per output element: dq is per instance; dk and dv are shared
   // along the same axes (the ones a CTA loops over).
   const uint32_t kv_mask = shared_axes(p, p.dk);
   if (shared_axes(p, p.dq) != 0 || shared_axes(p, p.dv) != kv_mask) return cudaErrorInvalidValue;
 
-  const BwdWorkspaceLayout w = BwdWorkspaceLayout::of(instances, p.seqlen_q, p.head_dim, elem_bytes);
+  const BwdWorkspaceLayout w =
+      BwdWorkspaceLayout::of(instances, p.seqlen_q, p.seqlen_k, p.head_dim, elem_bytes, p.has(kHasSegmentIds));
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(workspace) + 255) / 256 * 256);
 
   BwdRuntime rt{};
@@ -200,10 +203,10 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
 #else
   rt.dq_bulk = major >= 9;
 #endif
-  // The mma.sync kernels read bias, mask and dropout in their general variant only; the sm_90
-  // kernel reads no bias or mask, but does dropout.
-  const bool sm90_excluded =
-      has_bias || has_mask || p.softcap > 0.f || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  // The mma.sync kernels read bias, mask, segment ids and dropout in their general variant
+  // only; the sm_90 kernel reads no bias, mask or ids, but does dropout.
+  const bool sm90_excluded = has_bias || has_mask || p.has(kHasSegmentIds) || p.softcap > 0.f || !rt.q_vec ||
+                             !rt.k_vec || !rt.v_vec || !rt.do_vec;
   rt.general = sm90_excluded || p.has(kDropout);
   // The fast variant's larger tiles can exceed a device's shared memory
   // (sm_86 / sm_89 have 99 KB per block); the general variant computes the
@@ -241,6 +244,10 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.dbias_reduced = split_count(p, rt.dbias_reduce_mask, true);
   rt.dbias_one_row = want_dbias && p.seqlen_q > 1 && p.dbias.row_stride == 0;
   rt.dbias_one_col = want_dbias && p.seqlen_k > 1 && p.dbias.col_stride == 0;
+  // Segment ids run in the general variant (sm90_excluded), whose tiles the ranges follow.
+  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, base + w.segments_off, rt.segments,
+                                        stream)) != cudaSuccess)
+    return err;
 
   switch (p.dtype) {
     case DType::kF16: return launch_typed<__half>(p, rt, w, base, stream);

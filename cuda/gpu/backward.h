@@ -10,12 +10,13 @@
 namespace jaxflash::gpu {
 
 // Bytes of scratch the backward needs for p's shapes (fp32 dQ accumulator, per-row
-// lse / delta, per-(instance, Q tile) semaphores, a CTA ticket counter). A pure
-// function of (instances = p.num_instances(), seqlen_q, seqlen_k, head_dim, dtype);
+// lse / delta, per-(instance, Q tile) semaphores, a CTA ticket counter, segment ids'
+// per-tile ranges). A pure function of (instances = p.num_instances(), seqlen_q,
+// seqlen_k, head_dim, dtype, kHasSegmentIds);
 // the Python side sizes an extra uint8 output with it at abstract evaluation.
 // Includes 256 bytes of slack so any base alignment of the buffer works.
 int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
-                                 DType dtype);
+                                 DType dtype, bool has_segment_ids);
 
 // dq, dk, dv (+ dbias when kHasDbias) from q, k, v, lse, d_o and delta (+ bias,
 // mask, lengths), on `stream`; delta is float32 per query row, rowsum(dO o O) -

@@ -91,11 +91,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                             : static_cast<const void*>(inst.origin<const T>(p, p.bias));
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
+      constexpr bool ids = Cfg::kSegmentIds;
+      if (ids) {
+        in.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
+        in.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+      }
 #pragma unroll 1
       for (int64_t i = i_begin; i < i_end; ++i) {
         const int64_t m0 = i * BM;
         const KeyRange keys = visible_keys(p, b, m0, m0 + BM);
         if (keys.lo >= keys.hi || keys.hi <= n0 || keys.lo >= n0 + BN) continue;  // all dS = 0
+        if (ids && !rt.segments.may_meet(linear, i, j)) continue;  // no equal ids: all dS = 0 too
+        in.segment_test = ids && rt.segments.needs_test(linear, i, j);
 
         const T* q = inst.origin<const T>(p, p.q) + m0 * p.q.row_stride;
         const T* d_o = inst.origin<const T>(p, p.d_o) + m0 * p.d_o.row_stride;

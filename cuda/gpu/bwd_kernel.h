@@ -9,6 +9,15 @@
 //
 // dQ goes into the fp32 workspace in a fixed order, so the result is bitwise
 // reproducible: bwd_dq.h has the protocol (shared with bwd_sm90_kernel.h).
+//
+// Segment ids (the general variant's copy for them, Cfg::kSegmentIds): a Q tile
+// whose id range cannot meet the key
+// tile's (rt.segments, segment_tiles.h) is skipped whole, loads included. It
+// takes no dQ turn, so the turns count only the key tiles that meet the Q tile:
+// key tile j's turn on Q tile i is the number of tiles in [j_first, j) whose
+// ranges meet i's (both sides read the same table, so they agree on who
+// contributes). bwd_dq.h's argument holds as it is: a warp still waits only for
+// smaller key tiles of its kept instance, each of which adds to the Q tile once.
 #pragma once
 
 #include <cstdint>
@@ -67,7 +76,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   float* dq_stage = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);  // sm_90 only (see the launcher)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const auto [kept, key_tile] = take_key_tile(rt, tid);
+  const KeyTileTicket ticket = take_key_tile(rt, tid);
+  // Not a structured binding: next_up below captures key_tile, which C++17 lambdas cannot.
+  const int64_t kept = ticket.kept, key_tile = ticket.key_tile;
   const int64_t n0 = key_tile * BN;
 
   const int s_row0 = (warp / Cfg::kSWarpsN) * Cfg::kSRows, s_col0 = (warp % Cfg::kSWarpsN) * Cfg::kSCols;
@@ -101,6 +112,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
     }
+    constexpr bool ids = Cfg::kSegmentIds;
+    if (ids) {
+      in.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
+      in.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+    }
+    const int64_t i_last = (rows.hi - 1) / BM;
+    auto next_up = [&](int64_t i) {  // the next Q tile above i to visit; > i_last when none
+      do ++i;
+      while (i <= i_last && ids && !rt.segments.may_meet(linear, i, key_tile));
+      return i;
+    };
+    const int64_t i_first = rows.lo / BM;
+    const int64_t i_begin = !ids || rt.segments.may_meet(linear, i_first, key_tile) ? i_first : next_up(i_first);
+    if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
 
     // Every warp is past its last reads of the previous instance's tiles (sK / sV in the dQ
     // GEMM, the Q / dO stages in the dK / dV GEMMs) before the loads below overwrite them: the
@@ -118,23 +143,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       cp_async_commit();
     };
 
-    const int64_t i_first = rows.lo / BM, i_last = (rows.hi - 1) / BM;
     int stage = 0;  // the stage holding Q tile i
-    load_q_tile(i_first * BM, stage);
+    load_q_tile(i_begin * BM, stage);
 #pragma unroll 1
-    for (int64_t i = i_first; i <= i_last; ++i, stage = kStages == 2 ? stage ^ 1 : 0) {
+    for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, stage = kStages == 2 ? stage ^ 1 : 0) {
       const int64_t m0 = i * BM;
+      i_next = next_up(i);
       cp_async_wait<0>();  // Q, dO (and K, V the first time) landed
       __syncthreads();
       // Double buffered: the next tile loads during this whole one. Its stage
       // was last read by the previous tile's dK / dV GEMMs, which every warp
       // has finished (the barrier above).
-      if (kStages == 2 && i < i_last) load_q_tile(m0 + BM, stage ^ 1);
+      if (kStages == 2 && i_next <= i_last) load_q_tile(i_next * BM, stage ^ 1);
       const QTile sQ{q_stages + 2 * stage * QTile::kBytes}, sdO{q_stages + (2 * stage + 1) * QTile::kBytes};
 
       {
         float pr[Cfg::kSMF][Cfg::kSNF][4], ds[Cfg::kSMF][Cfg::kSNF][4];
         const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
+        in.segment_test = ids && rt.segments.needs_test(linear, i, key_tile);
         probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane);
         store_frags<T>(sP, pr, s_row0, s_col0, 1.f, lane);
         store_frags<T>(sdS, ds, s_row0, s_col0, 1.f, lane);
@@ -146,10 +172,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       warp_gemm<T, Cfg::kF32Mma, AOrder::kKM, BOrder::kKN, BM>(dk, sdS, kv_row0, sQ, kv_col0, lane);
       if (kStages == 1) {
         __syncthreads();  // sQ, sdO free: fetch the next tile behind the dQ step
-        if (i < i_last) load_q_tile(m0 + BM, 0);
+        if (i_next <= i_last) load_q_tile(i_next * BM, 0);
       }
 
-      const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
+      const int64_t j_first = visible_keys(p, b, m0, m0 + BM).lo / BN;
+      const int target = ids ? rt.segments.meeting_key_tiles(linear, i, j_first, key_tile, lane)
+                             : static_cast<int>(key_tile - j_first);
       accumulate_dq<Cfg>(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad,
                          rt.sems + (linear * rt.q_tiles + i) * Cfg::kWarps, target, pending, sdS, sK, dq_stage,
                          lane, warp);

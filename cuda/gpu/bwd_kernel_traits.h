@@ -8,25 +8,34 @@
 #include "bwd_tile_size.h"
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
+#include "segment_tiles.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
 
 // Two variants per (T, D), as in the forward: the fast one (no bias, no mask,
-// q/k/v/dO rows 16-byte aligned) and the general one. kF32Mma: how float32
+// no segment ids, q/k/v/dO rows 16-byte aligned) and the general one. kF32Mma: how float32
 // operands go through the tensor cores (primitives/ptx.h; tf32 by default,
 // 3xTF32 under kExactF32), on the same tiles.
 // kSoftcap: a copy of the general variant for a logit soft-cap, whose main
 // kernel keeps each score's tanh slope from P to dS (a register per score
 // that the copy without keeps for itself).
-template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSoftcap_ = false>
+// kSegmentIds: a copy of the general variant (main and dbias kernels) for
+// segment ids (segment_tiles.h): their tile skipping, dQ turn count and element
+// test cost registers that the general variant, at 255 of them, would pay in
+// spills for every call (bf16 D = 192 on sm_90a: 48 / 12 -> 232 / 308 bytes
+// stored / loaded).
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSoftcap_ = false,
+          bool kSegmentIds_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;
   static constexpr bool kGeneral = kGeneral_;
   static constexpr F32Mma kF32Mma = kF32Mma_;
   static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr bool kSegmentIds = kSegmentIds_;
   static_assert(kGeneral || !kSoftcap, "the soft-cap is in the general variant");
+  static_assert(kGeneral || !kSegmentIds, "segment ids are in the general variant");
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static constexpr BwdTiles kTiles = bwd_tiles(static_cast<int>(sizeof(T)), D, kGeneral);
   static constexpr int kBlockM = kTiles.block_m;
@@ -73,9 +82,9 @@ struct BwdConfig {
   static constexpr int kDbiasSmemBytes = 2 * QTile::kBytes + 2 * KTile::kBytes;
 };
 
-// Workspace layout, a pure function of (instances, T, S, H, dtype); every
-// segment 256-byte aligned relative to a base that is itself rounded up to 256
-// bytes inside the buffer (hence the extra 256 in the total).
+// Workspace layout, a pure function of (instances, T, S, H, dtype, segment ids);
+// every segment 256-byte aligned relative to a base that is itself rounded up to
+// 256 bytes inside the buffer (hence the extra 256 in the total).
 //   counter : int          CTA tickets of the main kernel (zeroed per call)
 //   sems    : int [I][nQ][W]  per (instance, Q tile, dQ warp): dQ contributions so far (zeroed)
 //   dq_acc  : f32 [I][T_pad][D_pad]  the dQ accumulator (zeroed), unscaled; each
@@ -83,14 +92,17 @@ struct BwdConfig {
 //   lse2    : f32 [I][T_pad]  the lse's hi (base 2, params.h), +inf for rows that get no gradient
 //   lse2_lo : f32 [I][T_pad]  the lse's lo, 0 for those rows
 //   delta   : f32 [I][T_pad]  rowsum(dO o O) - dlse, 0 for those rows
+//   segments: the per-tile id ranges of segment ids (segment_tiles.h), at the general
+//             variant's tiles (ids run there only); none without ids
 // counter, sems and dq_acc are contiguous: one memset clears them.
 struct BwdWorkspaceLayout {
   int64_t block_m, q_tiles, t_pad, d_pad;
-  int64_t sems_off, dq_acc_off, lse2_off, lse2_lo_off, delta_off, zero_bytes, total_bytes;
+  int64_t sems_off, dq_acc_off, lse2_off, lse2_lo_off, delta_off, segments_off, zero_bytes, total_bytes;
 
   static constexpr int64_t align(int64_t x) { return (x + 255) / 256 * 256; }
 
-  static BwdWorkspaceLayout of(int64_t instances, int64_t seqlen_q, int64_t head_dim, int elem_bytes) {
+  static BwdWorkspaceLayout of(int64_t instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
+                               int elem_bytes, bool has_segment_ids) {
     BwdWorkspaceLayout w;
     w.d_pad = bwd_padded_head_dim(head_dim);
     w.block_m = bwd_dq_grid(elem_bytes, static_cast<int>(w.d_pad)).block_m;
@@ -102,7 +114,12 @@ struct BwdWorkspaceLayout {
     w.zero_bytes = w.lse2_off;
     w.lse2_lo_off = w.lse2_off + align(instances * w.t_pad * 4);
     w.delta_off = w.lse2_lo_off + align(instances * w.t_pad * 4);
-    w.total_bytes = w.delta_off + align(instances * w.t_pad * 4) + 256;
+    w.segments_off = w.delta_off + align(instances * w.t_pad * 4);
+    const int block_n = bwd_tiles(elem_bytes, static_cast<int>(w.d_pad), true).block_n;
+    w.total_bytes = w.segments_off +
+                    segment_tiles_bytes(has_segment_ids, instances, seqlen_q, seqlen_k, static_cast<int>(w.block_m),
+                                        block_n) +
+                    256;
     return w;
   }
 };
@@ -127,7 +144,7 @@ struct BwdRuntime {
   int64_t q_tiles, t_pad, d_pad;
   BwdDqGrid dq;   // the accumulator's layout (the post-pass reads it)
   bool dq_bulk;   // sm_90+: dQ staged in shared memory and bulk-reduced
-  bool general;   // the main kernel variant: bias, mask, dropout or unaligned q / k / v / dO rows
+  bool general;   // the main kernel variant: bias, mask, dropout, segment ids or unaligned q / k / v / dO rows
   bool sm90;      // the main kernel is the sm_90 (wgmma) one, bwd_sm90_kernel.h
 
   // The main kernel: one CTA per (kept instance, key tile of the variant's
@@ -144,6 +161,10 @@ struct BwdRuntime {
   uint32_t dbias_reduce_mask;
   int64_t dbias_kept, dbias_reduced;
   bool dbias_one_row, dbias_one_col;
+
+  // Segment ids: the id ranges of the general variant's Q tiles (block_m) and key tiles
+  // (block_n), in the workspace; null tables without ids.
+  SegmentTiles segments;
 };
 
 // The instance axes (bits) along which an output is shared: stride 0, size > 1.

@@ -25,9 +25,9 @@ cudaError_t raise_smem_limit(Kernel* kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <class T, int D, bool kGeneral, F32Mma M, bool kSoftcap = false>
+template <class T, int D, bool kGeneral, F32Mma M, bool kSoftcap = false, bool kSegmentIds = false>
 cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdConfig<T, D, kGeneral, M, kSoftcap>;
+  using Cfg = BwdConfig<T, D, kGeneral, M, kSoftcap, kSegmentIds>;
   auto* kernel = &backward_kernel<Cfg>;
   const int smem = bwd_smem_bytes(Cfg::kTiles, sizeof(T), D, rt.dq_bulk);  // as backward.cu checks it
   if (const cudaError_t err = raise_smem_limit(kernel, smem); err != cudaSuccess) return err;
@@ -50,9 +50,11 @@ cudaError_t launch_backward_sm90(const AttentionParams& p, const BwdRuntime& rt,
   return cudaGetLastError();
 }
 
-template <class T, int D, F32Mma M, class BiasT>
+template <class T, int D, F32Mma M, class BiasT, bool kSegmentIds = false>
 cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdConfig<T, D, true, M>;
+  if constexpr (!kSegmentIds)
+    if (p.has(kHasSegmentIds)) return launch_backward_dbias<T, D, M, BiasT, true>(p, rt, stream);
+  using Cfg = BwdConfig<T, D, true, M, false, kSegmentIds>;
   auto* kernel = &dbias_kernel<Cfg, BiasT>;
   if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kDbiasSmemBytes); err != cudaSuccess) return err;
   int64_t blocks = rt.dbias_kept;
@@ -73,9 +75,12 @@ cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime&
       return p.has(kDropout) ? launch_backward_sm90<T, D, true>(p, rt, stream)
                              : launch_backward_sm90<T, D, false>(p, rt, stream);
   }
-  cudaError_t err = !rt.general         ? launch_backward_main<T, D, false, M>(p, rt, stream)
-                    : p.softcap > 0.f ? launch_backward_main<T, D, true, M, true>(p, rt, stream)
-                                      : launch_backward_main<T, D, true, M>(p, rt, stream);
+  const bool ids = p.has(kHasSegmentIds), cap = p.softcap > 0.f;
+  cudaError_t err = !rt.general   ? launch_backward_main<T, D, false, M>(p, rt, stream)
+                    : ids && cap  ? launch_backward_main<T, D, true, M, true, true>(p, rt, stream)
+                    : ids         ? launch_backward_main<T, D, true, M, false, true>(p, rt, stream)
+                    : cap         ? launch_backward_main<T, D, true, M, true>(p, rt, stream)
+                                  : launch_backward_main<T, D, true, M>(p, rt, stream);
   if (err != cudaSuccess || !p.has(kHasDbias) || p.seqlen_q == 0 || p.seqlen_k == 0) return err;
   if constexpr (sizeof(T) == 4) {
     return launch_backward_dbias<T, D, M, float>(p, rt, stream);

@@ -37,6 +37,11 @@ struct ScoreInputs {
   const float* lse2_lo;
   const float* delta;
   const uint32_t* seed;  // the dropout's seed words; null without dropout
+  // Segment ids (BwdConfig::kSegmentIds copies; null otherwise), and whether the current
+  // tile pair needs their per-element test (SegmentTiles::needs_test).
+  const int32_t* q_ids = nullptr;
+  const int32_t* kv_ids = nullptr;
+  bool segment_test = false;
 };
 
 // Whether every row of [m0, m0 + BM) below q_len sees every key of [n0, n0 + BN)
@@ -141,6 +146,9 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
       if (p.mask.col_stride == 1) bwd_apply_mask<true>(pr, in.mask, p.mask.row_stride, 1, blk, lane);
       else bwd_apply_mask<false>(pr, in.mask, p.mask.row_stride, p.mask.col_stride, blk, lane);
     }
+    if (Cfg::kSegmentIds && in.segment_test)
+      bwd_apply_segment_ids(pr, in.q_ids, p.q_segment_ids.row_stride, in.kv_ids, p.kv_segment_ids.row_stride, blk,
+                            lane);
   }
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)

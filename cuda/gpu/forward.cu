@@ -18,6 +18,7 @@
 #include "instance.h"
 #include "kernel_traits.h"
 #include "primitives/positions.h"
+#include "segment_tile_ranges.h"
 
 namespace jaxflash::gpu {
 
@@ -117,6 +118,28 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   return cudaSuccess;
 }
 
+// The general variant's tiles (kernel_traits.h's FwdConfig) at the padded head dim the
+// dispatch below picks: segment ids run there only, so their tables use these tiles.
+struct GeneralTiles {
+  int block_m, block_n;
+};
+template <int kElemBytes>
+GeneralTiles general_tiles(int64_t head_dim) {
+  auto at = [](auto d) {
+    using Tiles = FwdTileSize<kElemBytes, decltype(d)::value, true>;
+    return GeneralTiles{Tiles::kBlockM, Tiles::kBlockN};
+  };
+  if (head_dim <= 32) return at(std::integral_constant<int, 32>{});
+  if (head_dim <= 64) return at(std::integral_constant<int, 64>{});
+  if (head_dim <= 96) return at(std::integral_constant<int, 96>{});
+  if (head_dim <= 128) return at(std::integral_constant<int, 128>{});
+  if (head_dim <= 192) return at(std::integral_constant<int, 192>{});
+  return at(std::integral_constant<int, 256>{});
+}
+GeneralTiles general_tiles(int64_t head_dim, DType dtype) {
+  return dtype_bytes(dtype) == 4 ? general_tiles<4>(head_dim) : general_tiles<2>(head_dim);
+}
+
 template <class T, F32Mma M = F32Mma::kTf32>
 cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   const int64_t h = p.head_dim;
@@ -130,7 +153,13 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cu
 
 }  // namespace
 
-cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
+int64_t forward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
+                                DType dtype, bool has_segment_ids) {
+  const GeneralTiles tiles = general_tiles(head_dim, dtype);
+  return segment_tiles_bytes(has_segment_ids, num_instances, seqlen_q, seqlen_k, tiles.block_m, tiles.block_n);
+}
+
+cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const int elem_bytes = dtype_bytes(p.dtype);
   if (elem_bytes == 0) return cudaErrorInvalidValue;
   // Positions are 32-bit in the kernel (see primitives/positions.h).
@@ -148,7 +177,8 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   const bool any_key = p.seqlen_k > 0;
   if ((has_bias && any_key && p.bias.data == nullptr) || (has_mask && any_key && p.mask.data == nullptr) ||
       (p.has(kDropout) && p.seed.data == nullptr) ||
-      (p.has(kHasQLens) && p.q_lens.data == nullptr) || (p.has(kHasKvLens) && p.kv_lens.data == nullptr))
+      (p.has(kHasQLens) && p.q_lens.data == nullptr) || (p.has(kHasKvLens) && p.kv_lens.data == nullptr) ||
+      (p.has(kHasSegmentIds) && any_key && (p.q_segment_ids.data == nullptr || p.kv_segment_ids.data == nullptr)))
     return cudaErrorInvalidValue;
 
   constexpr float kLog2e = 1.4426950408889634f;
@@ -171,6 +201,11 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&rt.sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = choose_sm90(p, rt, device);
   if (err != cudaSuccess) return err;
+  // Segment ids route to the general variant (fwd_fast_case), whose tiles the id ranges follow.
+  const GeneralTiles tiles = general_tiles(p.head_dim, p.dtype);
+  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, workspace, rt.segments, stream)) !=
+      cudaSuccess)
+    return err;
 
   switch (p.dtype) {
     case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);

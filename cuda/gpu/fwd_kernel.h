@@ -36,12 +36,16 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     ops.q = inst.origin<const T>(p, p.q);
     ops.k = inst.origin<const T>(p, p.k);
     ops.v = inst.origin<const T>(p, p.v);
-    ops.bias = nullptr, ops.mask = nullptr, ops.seed = nullptr;
+    ops.bias = nullptr, ops.mask = nullptr, ops.seed = nullptr, ops.q_ids = nullptr, ops.kv_ids = nullptr;
     if (Cfg::kGeneral && p.has(kHasBias))
       ops.bias = rt.bias_f32 ? static_cast<const void*>(inst.origin<const float>(p, p.bias))
                              : static_cast<const void*>(inst.origin<const T>(p, p.bias));
     if (Cfg::kGeneral && p.has(kHasMask)) ops.mask = inst.origin<const uint8_t>(p, p.mask);
     if (Cfg::kGeneral && p.has(kDropout)) ops.seed = inst.origin<const uint32_t>(p, p.seed);
+    if constexpr (Cfg::kSegmentIds) {
+      ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
+      ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+    }
     ops.o = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
     ops.lse = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
   }
@@ -59,7 +63,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // No visible key for any row (or all rows padding): the epilogue alone
   // writes O = 0 and lse = -inf.
   if (keys.lo < keys.hi)
-    forward_mainloop<Cfg>(p, rt, pos, ops, m0, static_cast<int>(keys.lo),
+    forward_mainloop<Cfg>(p, rt, pos, ops, linear, m0, static_cast<int>(keys.lo),
                           static_cast<int>(keys.hi), sQ, sK, sV, o, st, threadIdx.x);
   forward_epilogue<Cfg>(p, rt, pos, ops.o, ops.lse, m0, sQ, o, st, threadIdx.x);
 }

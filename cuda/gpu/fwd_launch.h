@@ -50,6 +50,8 @@ cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& 
   }
   using Fast = FwdConfig<T, D, false, M>;
   using General = FwdConfig<T, D, true, M>;
+  using WithIds = FwdConfig<T, D, true, M, true>;
+  if (p.has(kHasSegmentIds)) return launch_query_tiles<WithIds>(&forward_kernel<WithIds>, p, rt, stream);
   return fwd_fast_case(p, rt) && !p.has(kDropout) && p.head_dim == D
              ? launch_query_tiles<Fast>(&forward_kernel<Fast>, p, rt, stream)
              : launch_query_tiles<General>(&forward_kernel<General>, p, rt, stream);

@@ -17,6 +17,12 @@
 // the position mask (kv_len, the diagonal and window edges) are "masked". With
 // Cfg::kSplitSteps masked and whole tiles get separate copies of the step (the
 // whole one free of mask branches); otherwise one copy branches inside.
+//
+// Segment ids (the general variant's copy for them, Cfg::kSegmentIds): a key
+// tile whose id range cannot meet the query tile's (rt.segments,
+// segment_tiles.h) is skipped whole, K prefetch included: the loop steps from
+// one meeting tile to the next one down. Only the top tile can end past
+// kv_len, so every tile loaded inside the loop is still whole.
 #pragma once
 
 #include <cstdint>
@@ -34,13 +40,14 @@
 namespace jaxflash::gpu {
 
 // Scale, bias and masks of the warp's block of one score tile (see score.h).
-// The fast variant sees neither bias nor mask nor a folded scale; tiles every
-// row sees whole (`full`) skip the position mask.
+// The fast variant sees neither bias nor mask nor segment ids nor a folded
+// scale; tiles every row sees whole (`full`) skip the position mask, and tiles
+// whose rows and keys all hold one id (`!segment_test`) the id test.
 template <class Cfg>
 __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], const AttentionParams& p,
                                            const FwdRuntime& rt, const Positions& pos,
                                            const FwdOperands<typename Cfg::T>& ops,
-                                           int row0, int n0, bool full, int lane) {
+                                           int row0, int n0, bool full, bool segment_test, int lane) {
   using T = typename Cfg::T;
   if constexpr (Cfg::kGeneral) {
     // The soft-cap acts on the scaled logits, before the bias (params.h).
@@ -73,17 +80,22 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], co
       if (view.col_stride == 1) apply_mask<true>(s, view, row0, n0, pos, lane);
       else apply_mask<false>(s, view, row0, n0, pos, lane);
     }
+    if (Cfg::kSegmentIds && segment_test) {
+      const int64_t qs = p.q_segment_ids.row_stride, ks = p.kv_segment_ids.row_stride;
+      apply_segment_ids(s, ops.q_ids + row0 * qs, qs, ops.kv_ids + n0 * ks, ks, pos.q_len - row0, pos.kv_len - n0,
+                        lane);
+    }
   }
 }
 
 // Runs over the key tiles covering [key_lo, key_hi) (non-empty) for query rows
-// [m0, m0 + BLOCK_M). On return o holds the unnormalised output of this warp's
-// rows and st their softmax state.
+// [m0, m0 + BLOCK_M) of instance `linear`. On return o holds the unnormalised
+// output of this warp's rows and st their softmax state.
 template <class Cfg>
 __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const FwdRuntime& rt,
-                                                 const Positions& pos, const FwdOperands<typename Cfg::T>& ops, int m0,
-                                                 int key_lo, int key_hi, const typename Cfg::QTile& sQ,
-                                                 const typename Cfg::KTile& sK, const typename Cfg::VTile& sV,
+                                                 const Positions& pos, const FwdOperands<typename Cfg::T>& ops,
+                                                 int64_t linear, int m0, int key_lo, int key_hi,
+                                                 const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK, const typename Cfg::VTile& sV,
                                                  float (&o)[Cfg::kMF][Cfg::kDF][4], SoftmaxState<Cfg::kMF>& st,
                                                  int tid) {
   using T = typename Cfg::T;
@@ -105,7 +117,22 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
                                  : DropoutKey{};
   const FragRowKeys<Cfg::kMF> dropout_rows(dropout, m0 + warp_row, lane);
 
-  const int first = key_lo / BN * BN, last = (key_hi - 1) / BN * BN;
+  // Segment ids: whether key tile n0 may see this query tile, and whether it
+  // needs the element test (both uniform over the CTA).
+  constexpr bool ids = Cfg::kSegmentIds;
+  const int first = key_lo / BN * BN;
+  auto meets = [&](int n0) { return !ids || rt.segments.may_meet(linear, m0 / BM, n0 / BN); };
+  auto next_down = [&](int n0) {  // the next key tile below n0 to visit; < first when none
+    do n0 -= BN;
+    while (n0 >= first && !meets(n0));
+    return n0;
+  };
+  int last = (key_hi - 1) / BN * BN;
+  if constexpr (ids) {
+    if (!meets(last)) last = next_down(last);
+    if (last < first) return;  // no key tile shares an id with these rows: O = 0, lse = -inf
+  }
+
   load_tile<kThreads>(sQ, ops.q + m0 * p.q.row_stride, p.q.row_stride, min(pos.q_len - m0, BM), cols, q_vec, tid);
   load_tile<kThreads>(sK, ops.k + last * k_stride, k_stride, kv_rows(last), cols, k_vec, tid);
   cp_async_commit();
@@ -126,12 +153,13 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
     float s[Cfg::kMF][Cfg::kNF][4];
     zero_frags(s);
     warp_gemm<T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, Cfg::kHeadDim>(s, sQ, warp_row, sK, 0, lane);
-    score_tile<Cfg>(s, p, rt, pos, ops, m0 + warp_row, n0, !masked, lane);
+    score_tile<Cfg>(s, p, rt, pos, ops, m0 + warp_row, n0, !masked,
+                    ids && rt.segments.needs_test(linear, m0 / BM, n0 / BN), lane);
 
     cp_async_wait<0>();  // V landed
     __syncthreads();     // ... for every thread; and every warp is done with K
-    if (n0 > first) {    // the next tile down is whole: n0 - BN + BN <= kv_len
-      load_tile<kThreads>(sK, ops.k + (n0 - BN) * k_stride, k_stride, BN, cols, k_vec, tid);
+    if (const int next = next_down(n0); next >= first) {  // below the top tile: whole, next + BN <= kv_len
+      load_tile<kThreads>(sK, ops.k + next * k_stride, k_stride, BN, cols, k_vec, tid);
       cp_async_commit();
     }
     online_softmax(s, o, st, rt.exp_scale, rt.p_shift);
@@ -147,11 +175,11 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
   const FullTiles<BN> full(pos, m0, min(m0 + BM, pos.q_len) - 1);
   if constexpr (Cfg::kSplitSteps) {
     int n0 = last;
-    for (; n0 >= first && n0 > full.hi; n0 -= BN) step(n0, std::true_type{});    // kv_len, diagonal, right edge
-    for (; n0 >= first && n0 >= full.lo; n0 -= BN) step(n0, std::false_type{});  // the bulk
-    for (; n0 >= first; n0 -= BN) step(n0, std::true_type{});                     // left window edge
+    for (; n0 >= first && n0 > full.hi; n0 = next_down(n0)) step(n0, std::true_type{});    // kv_len, diagonal, right edge
+    for (; n0 >= first && n0 >= full.lo; n0 = next_down(n0)) step(n0, std::false_type{});  // the bulk
+    for (; n0 >= first; n0 = next_down(n0)) step(n0, std::true_type{});                    // left window edge
   } else {
-    for (int n0 = last; n0 >= first; n0 -= BN) step(n0, !full.contain(n0));
+    for (int n0 = last; n0 >= first; n0 = next_down(n0)) step(n0, !full.contain(n0));
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
+#include "segment_tiles.h"
 #include "tile_size.h"
 #include "../params.h"
 
@@ -19,17 +20,23 @@ namespace jaxflash::gpu {
 // rare features need:
 //   fast    : no bias, no mask, scale > 0, head_dim == D, rows of q, k and v
 //             16-byte aligned
-//   general : everything else: bias and / or mask, dropout, any scale, padded
-//             head dims, any row alignment (element-wise fallback copy)
+//   general : everything else: bias and / or mask, dropout, segment ids, any
+//             scale, padded head dims, any row alignment (element-wise fallback copy)
 // kF32Mma: how float32 operands go through the tensor cores (ptx.h; tf32 by
 // default, 3xTF32 under kExactF32); the same tiles either way.
-template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32>
+// kSegmentIds: a copy of the general variant for segment ids (segment_tiles.h):
+// its tile skipping and element test cost registers that the general variant,
+// at 255 of them, would pay in spills for every call (bf16 D = 256 on sm_80:
+// 0 -> 60 / 164 bytes stored / loaded).
+template <class T_, int D, bool kGeneral_, F32Mma kF32Mma_ = F32Mma::kTf32, bool kSegmentIds_ = false>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = D;                // padded; columns >= head_dim are zero
   static constexpr bool kGeneral = kGeneral_;
   static constexpr F32Mma kF32Mma = kF32Mma_;
+  static constexpr bool kSegmentIds = kSegmentIds_;
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
+  static_assert(kGeneral || !kSegmentIds, "segment ids are in the general variant");
   static constexpr int kBlockM = FwdTileSize<sizeof(T), D, kGeneral>::kBlockM;
   static constexpr int kBlockN = FwdTileSize<sizeof(T), D, kGeneral>::kBlockN;
   static constexpr bool kSplitSteps = FwdTileSize<sizeof(T), D, kGeneral>::kSplitSteps;
@@ -54,6 +61,8 @@ struct FwdOperands {
   const void* bias;     // T or float (FwdRuntime::bias_f32); null when absent or unread
   const uint8_t* mask;  // null when absent or unread
   const uint32_t* seed; // the dropout's seed words; null without dropout (general variant only)
+  const int32_t* q_ids;   // segment ids; null without them (general variant only)
+  const int32_t* kv_ids;
   void* o;     // T, or float with kOutputF32
   float* lse;  // null when absent
 };
@@ -103,14 +112,18 @@ struct FwdRuntime {
   // is covered, every operand has a TMA descriptor), with these descriptors.
   bool sm90;
   FwdTmaOperand tma_q, tma_k, tma_v;
+  // Segment ids: the id ranges of the general variant's tiles, in the forward's scratch
+  // (segment_tiles.h); null tables without ids.
+  SegmentTiles segments;
 };
 
-// The fast variants' conditions that hold for any head dim: no bias or mask,
-// scale > 0 (not folded), rows of q, k and v 16-byte aligned. The mma.sync fast
+// The fast variants' conditions that hold for any head dim: no bias, mask or
+// segment ids, scale > 0 (not folded), rows of q, k and v 16-byte aligned. The mma.sync fast
 // variant also wants no dropout and head_dim == D (fwd_launch.h); the sm_90
 // kernel has a dropout copy (forward.cu).
 inline bool fwd_fast_case(const AttentionParams& p, const FwdRuntime& rt) {
-  return !p.has(kHasBias) && !p.has(kHasMask) && !rt.fold_scale && rt.q_vec && rt.k_vec && rt.v_vec;
+  return !p.has(kHasBias) && !p.has(kHasMask) && !p.has(kHasSegmentIds) && !rt.fold_scale && rt.q_vec && rt.k_vec &&
+         rt.v_vec;
 }
 
 }  // namespace jaxflash::gpu

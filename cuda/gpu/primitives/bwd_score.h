@@ -1,5 +1,6 @@
 // The logits epilogue of the backward on C fragments: bias, position mask
-// (lengths, causal / window) and dense mask, with params.h's visibility rule.
+// (lengths, causal / window), dense mask and segment ids, with params.h's
+// visibility rule.
 // Same semantics as the forward's score.h, kept separate so the backward does
 // not follow that file's changes. Positions are 64-bit per block, then 32-bit
 // relative to the block (clipped far outside it), so no sequence-length limit.
@@ -99,6 +100,32 @@ __device__ __forceinline__ void bwd_apply_mask(float (&s)[MF][NF][4], const uint
                                          [&](int mf, int nf, int i, bool inside, const uint8_t* ptr) {
                                            if (!inside || __ldg(ptr) == 0) s[mf][nf][i] = -INFINITY;
                                          });
+}
+
+// -inf where the query's and the key's segment ids differ (packed sequences) or
+// outside [0, q_len) x [0, kv_len), where the ids are not read. q_ids / kv_ids:
+// the instance's ids (origins). Key ids are loaded where compared (L1 hits
+// after the first row), as in the forward's apply_segment_ids.
+template <int MF, int NF>
+__device__ __forceinline__ void bwd_apply_segment_ids(float (&s)[MF][NF][4], const int32_t* q_ids, int64_t q_stride,
+                                                      const int32_t* kv_ids, int64_t kv_stride, const ScoreBlock& blk,
+                                                      int lane) {
+  const int32_t* keys = kv_ids + blk.col0 * kv_stride;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = frag_row(mf, 2 * h, lane);
+      const bool row_in = r < blk.q_end;
+      const int32_t query = row_in ? __ldg(q_ids + (blk.row0 + r) * q_stride) : 0;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = frag_col(nf, c, lane);
+          if (!row_in || col >= blk.kv_end || __ldg(keys + col * kv_stride) != query) s[mf][nf][2 * h + c] = -INFINITY;
+        }
+    }
 }
 
 }  // namespace jaxflash::gpu

@@ -1,5 +1,6 @@
 // From raw Q.K^T fragments to the scores the softmax sees: scale and bias
-// folded into base-2 units, then positions and the dense mask set to -inf.
+// folded into base-2 units, then positions, the dense mask and the segment ids
+// set to -inf.
 // Fragment coordinates as in mma.h; a warp's block of scores starts at query
 // `row0` and key `col0`.
 #pragma once
@@ -118,6 +119,35 @@ __device__ __forceinline__ void apply_mask(float (&s)[MF][NF][4], const QueryKey
                                            [&](int mf, int nf, int i, bool inside, const uint8_t* ptr) {
                                              if (!inside || __ldg(ptr) == 0) s[mf][nf][i] = -INFINITY;
                                            });
+}
+
+// -inf where the query's and the key's segment ids differ (packed sequences), and
+// outside [0, rows) x [0, cols) (q_len, kv_len), where the ids are not read. q_ids
+// and kv_ids point at the ids of the block's first row and first column. Key
+// ids are loaded where compared (L1 hits after the first row), not held in
+// 2 NF registers across the rows (ptxas spilled the same either way at bf16
+// D = 256; unmeasured for speed).
+template <int MF, int NF>
+__device__ __forceinline__ void apply_segment_ids(float (&s)[MF][NF][4], const int32_t* q_ids, int64_t q_stride,
+                                                  const int32_t* kv_ids, int64_t kv_stride, int rows, int cols,
+                                                  int lane) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = frag_row(mf, 2 * h, lane);
+      const bool row_in = r < rows;
+      const int32_t query = row_in ? __ldg(q_ids + r * q_stride) : 0;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = frag_col(nf, c, lane);
+          if (!row_in || col >= cols || __ldg(kv_ids + col * kv_stride) != query) s[mf][nf][2 * h + c] = -INFINITY;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace jaxflash::gpu

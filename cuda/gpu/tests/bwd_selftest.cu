@@ -3,8 +3,9 @@
 // causal / window / bottom-right, GQA (zero instance strides on K/V and dK/dV),
 // sequence lengths with empty rows and an instance with no key, broadcast
 // biases with dbias (over batch, over heads + keys, over heads + queries, a
-// scalar), masks with a fully masked row, dlse, unaligned rows, every padded
-// head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
+// scalar), masks with a fully masked row, segment ids (documents, documents on
+// tile boundaries, ids in any order; with dbias too), dlse, unaligned rows, every
+// padded head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
 // held to fp32 accuracy); then bitwise determinism at a larger size.
 // o and lse come from the reference (fp64, rounded to the kernel's inputs), so
 // the test does not depend on the forward kernel. Like the FFI handler, every
@@ -65,9 +66,14 @@ struct Case {
   Layout layout = Layout::kBTNH;
   float scale = 0.f;   // 0: 1 / sqrt(H)
   bool exact = false;  // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
+  Segments segments = Segments::kNone;
 };
 
 Case exact(Case c) { return exact_variant(c); }
+Case with_segments(Case c, Segments s) {
+  c.segments = s;
+  return c;
+}
 
 // Everything one case needs on both sides.
 struct Problem {
@@ -80,8 +86,9 @@ struct Problem {
   HostArray bias;
   std::vector<uint8_t> mask;
   std::vector<int32_t> q_lens, kv_lens;
+  std::vector<int32_t> q_ids, kv_ids;  // segment ids, (B, T) and (B, S); empty without them
   size_t bias_n = 0, dbias_n = 0;
-  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens;
+  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens, d_ids;
   std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_ws;
 
   size_t q_index(int b, int n, int t, int h) const {
@@ -110,6 +117,9 @@ struct Problem {
     if (c.mask == Mask::kRandom) return mask[(size_t(b) * c.T + t) * c.S + s] != 0;
     if (c.mask == Mask::kKeyPadding) return mask[s] != 0;
     return true;
+  }
+  bool ids_visible(int b, int t, int s) const {
+    return q_ids.empty() || q_ids[size_t(b) * c.T + t] == kv_ids[size_t(b) * c.S + s];
   }
 
   explicit Problem(const Case& c_, std::mt19937& rng)
@@ -152,6 +162,11 @@ struct Problem {
       }
       if (B > 2) kv_lens[0] = 0;
       if (B > 1) q_lens[1] = std::max(0, T - 7);
+    }
+    if (c.segments != Segments::kNone) {
+      const uint32_t seed = static_cast<uint32_t>(rng());
+      q_ids = segment_ids(c.segments, B, T, -1, seed);
+      kv_ids = segment_ids(c.segments, B, S, -2, seed);
     }
     if (c.mask == Mask::kRandom) {
       std::bernoulli_distribution keep(0.8);
@@ -218,7 +233,7 @@ struct Problem {
     std::vector<double> logit(S, -INFINITY);
     double mx = -INFINITY;
     for (int s = 0; s < S; ++s) {
-      if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s)) continue;
+      if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s) || !ids_visible(b, t, s)) continue;
       double dot = 0;
       for (int h = 0; h < H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, kh, s, h)];
       logit[s] = p.scale * dot + (bias_n ? bias.val[bias_index(b, n, t, s)] : 0.0);
@@ -293,7 +308,16 @@ struct Problem {
       d_dbias = std::make_unique<DeviceBuffer>(dbias_n * elem_bytes(bias.t));
       bias_view(p.dbias, d_dbias->ptr);
     }
-    const int64_t ws = jaxflash::gpu::backward_workspace_bytes(p.num_instances(), T, S, c.H, c.dtype);
+    if (!q_ids.empty()) {  // shared by the heads (stride 0)
+      p.flags |= jaxflash::kHasSegmentIds;
+      std::vector<int32_t> both(q_ids);
+      both.insert(both.end(), kv_ids.begin(), kv_ids.end());
+      d_ids = std::make_unique<DeviceBuffer>(both.data(), both.size() * 4);
+      set_view(p.q_segment_ids, d_ids->ptr, T, 0, 0, 1, 0);
+      set_view(p.kv_segment_ids, static_cast<int32_t*>(d_ids->ptr) + size_t(B) * T, S, 0, 0, 1, 0);
+    }
+    const int64_t ws = jaxflash::gpu::backward_workspace_bytes(p.num_instances(), T, S, c.H, c.dtype,
+                                                               p.has(jaxflash::kHasSegmentIds));
     d_ws = std::make_unique<DeviceBuffer>(size_t(ws) + 8);
   }
 
@@ -477,7 +501,7 @@ void bench(const BenchFilter& only) {
         p.dq.data = dq.ptr, p.dk.data = dk.ptr, p.dv.data = dv.ptr;
         set_view(p.lse, lse.ptr, int64_t(N) * L * 2, int64_t(L) * 2, 0, 2, 1);
         set_view(p.delta, delta.ptr, int64_t(N) * L, L, 0, 1, 0);
-        DeviceBuffer ws(jaxflash::gpu::backward_workspace_bytes(p.num_instances(), L, L, H, p.dtype));
+        DeviceBuffer ws(jaxflash::gpu::backward_workspace_bytes(p.num_instances(), L, L, H, p.dtype, false));
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));
         CHECK_CUDA(cudaEventCreate(&stop));
@@ -569,6 +593,31 @@ int main(int argc, char** argv) {
              false, Mask::kNone, false, true}),
       exact({"f32 T50 S100 H192 lens", f32, 3, 2, 2, 50, 100, 192, kUnb, kUnb, false, Bias::kNone, false,
              Mask::kNone, true}),
+      // Segment ids (the general variants): documents in order (tiles skipped, dQ turns only
+      // for the key tiles that meet; batch 1 ending in padding ids), documents on tile
+      // boundaries, ids in any order; causal, GQA, lengths, dbias.
+      with_segments({"bf16 segments docs T300 S300 H64", bf16, 2, 2, 2, 300, 300, 64}, Segments::kDocs),
+      with_segments({"f16 segments docs causal GQA N4 K2 T257 S257 H128", f16, 2, 4, 2, 257, 257, 128, kUnb, 0},
+                    Segments::kDocs),
+      with_segments({"bf16 segments tile docs causal T384 S384 H64", bf16, 2, 2, 1, 384, 384, 64, kUnb, 0},
+                    Segments::kTileDocs),
+      with_segments({"f16 segments tile docs T320 S448 H128", f16, 2, 2, 2, 320, 448, 128}, Segments::kTileDocs),
+      with_segments({"bf16 segments docs + lens bottom-right causal T200 S333 H64", bf16, 3, 2, 1, 200, 333, 64,
+                     kUnb, 0, true, Bias::kNone, false, Mask::kNone, true},
+                    Segments::kDocs),
+      with_segments({"f16 segments random ids + mask T129 S140 H96", f16, 2, 2, 2, 129, 140, 96, kUnb, kUnb, false,
+                     Bias::kNone, false, Mask::kRandom},
+                    Segments::kRandom),
+      with_segments({"bf16 segments docs + bias f32 (B,N,T,S) + dbias causal T200 S260 H64", bf16, 2, 2, 2, 200,
+                     260, 64, kUnb, 0, false, Bias::kFullF32, true},
+                    Segments::kDocs),
+      with_segments({"f16 segments tile docs + bias (B,S) rows bcast + dbias T256 S320 H32", f16, 2, 2, 1, 256, 320,
+                     32, kUnb, kUnb, false, Bias::kKeysF32, true},
+                    Segments::kTileDocs),
+      with_segments({"f32 segments docs causal GQA T200 S200 H72", f32, 2, 4, 2, 200, 200, 72, kUnb, 0},
+                    Segments::kDocs),
+      with_segments(exact({"f32 segments tile docs T256 S320 H128", f32, 2, 2, 2, 256, 320, 128}),
+                    Segments::kTileDocs),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
@@ -586,6 +635,10 @@ int main(int argc, char** argv) {
        true},
       {"f32 T777 S999 H96 window (100, 50)", f32, 2, 4, 2, 777, 999, 96, 100, 50},
       exact({"f32 causal GQA N8 K2 T1000 S1000 H128", f32, 1, 8, 2, 1000, 1000, 128, kUnb, 0}),
+      // Skipped tiles take no dQ turn: the remaining turns must still be in key order.
+      with_segments({"bf16 segments docs causal GQA N8 K2 T1000 S1000 H128", bf16, 2, 8, 2, 1000, 1000, 128, kUnb,
+                     0},
+                    Segments::kDocs),
   };
   if (quick) det.clear();
   for (const Case& c : det) (run_determinism(c, 3, rng) ? passed : failed)++;

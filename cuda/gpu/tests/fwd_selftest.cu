@@ -1,8 +1,9 @@
 // Standalone check of jaxflash::gpu::launch_forward against a naive double
 // precision CPU reference, on small odd shapes that hit every feature: tails,
 // causal / window / bottom-right, GQA (zero instance stride), broadcast bias
-// and mask, sequence lengths, unaligned rows, every padded head dim, f32 (tf32
-// MMAs) and f32 with kExactF32 (3xTF32, held to fp32 accuracy).
+// and mask, sequence lengths, segment ids (documents, documents on tile
+// boundaries, ids in any order), unaligned rows, every padded head dim, f32
+// (tf32 MMAs) and f32 with kExactF32 (3xTF32, held to fp32 accuracy).
 //
 // Build (from the repository root; cmake/cuda.cmake's JAXFLASH_BUILD_SELFTESTS):
 //   cmake -S . -B /tmp/selftests -DJAXFLASH_CUDA=ON -DJAXFLASH_CUDA_ARCHITECTURES=90a \
@@ -48,9 +49,14 @@ struct Case {
   float scale = 0.f;     // 0: 1 / sqrt(H)
   bool out_f32 = false;  // kOutputF32: o in float32 whatever the dtype
   bool exact = false;    // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
+  Segments segments = Segments::kNone;
 };
 
 Case exact(Case c) { return exact_variant(c); }
+Case with_segments(Case c, Segments s) {
+  c.segments = s;
+  return c;
+}
 
 bool run_case(const Case& c, std::mt19937& rng) {
   const int B = c.B, N = c.N, K = c.K, G = N / K, T = c.T, S = c.S, H = c.H;
@@ -182,7 +188,30 @@ bool run_case(const Case& c, std::mt19937& rng) {
     CHECK_CUDA(cudaMemcpy(dv.ptr, v.bits.data(), v.bits.size(), cudaMemcpyHostToDevice));
   }
 
-  CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
+  // Segment ids, (B, T) and (B, S), shared by the heads (stride 0).
+  std::vector<int32_t> q_ids, kv_ids;
+  std::unique_ptr<DeviceBuffer> d_ids;
+  if (c.segments != Segments::kNone) {
+    p.flags |= jaxflash::kHasSegmentIds;
+    const uint32_t seed = static_cast<uint32_t>(rng());
+    q_ids = segment_ids(c.segments, B, T, -1, seed);
+    kv_ids = segment_ids(c.segments, B, S, -2, seed);
+    std::vector<int32_t> both(q_ids);
+    both.insert(both.end(), kv_ids.begin(), kv_ids.end());
+    d_ids = std::make_unique<DeviceBuffer>(both.data(), both.size() * 4);
+    set_view(p.q_segment_ids, d_ids->ptr, T, 0, 0, 1, 0);
+    set_view(p.kv_segment_ids, static_cast<int32_t*>(d_ids->ptr) + size_t(B) * T, S, 0, 0, 1, 0);
+  }
+  auto ids_visible = [&](int b, int t, int s) {
+    return c.segments == Segments::kNone || q_ids[size_t(b) * T + t] == kv_ids[size_t(b) * S + s];
+  };
+
+  // The workspace starts 8 bytes into its allocation: any alignment must work.
+  const int64_t ws_bytes = jaxflash::gpu::forward_workspace_bytes(p.num_instances(), T, S, H, c.dtype,
+                                                                  p.has(jaxflash::kHasSegmentIds));
+  DeviceBuffer d_ws(size_t(ws_bytes) + 8);
+  CHECK_CUDA(cudaMemset(d_ws.ptr, 0xFF, d_ws.bytes));
+  CHECK_CUDA(jaxflash::gpu::launch_forward(p, static_cast<char*>(d_ws.ptr) + 8, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(cudaMemcpy(o_bits.data(), d_o.ptr, o_bits.size(), cudaMemcpyDeviceToHost));
   std::vector<float> lse(size_t(B) * N * T * 2);
@@ -206,7 +235,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
           double mx = -INFINITY;
           for (int s = 0; s < S; ++s) {
             logit[s] = -INFINITY;
-            if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s)) continue;
+            if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s) || !ids_visible(b, t, s)) continue;
             double dot = 0;
             for (int h = 0; h < H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, kh, s, h)];
             logit[s] = p.scale * dot + bias_at(b, n, t, s);
@@ -287,10 +316,10 @@ void bench(const BenchFilter& only = {}) {
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));
         CHECK_CUDA(cudaEventCreate(&stop));
-        for (int i = 0; i < 3; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
+        for (int i = 0; i < 3; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr, nullptr));
         const int iters = 20;
         CHECK_CUDA(cudaEventRecord(start));
-        for (int i = 0; i < iters; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr));
+        for (int i = 0; i < iters; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr, nullptr));
         CHECK_CUDA(cudaEventRecord(stop));
         CHECK_CUDA(cudaEventSynchronize(stop));
         float ms;
@@ -372,6 +401,27 @@ int main(int argc, char** argv) {
              Bias::kDtypeHeads}),
       exact({"f32 T50 S300 H192 lens", f32, 2, 2, 2, 50, 300, 192, kUnb, kUnb, false, Bias::kNone, Mask::kNone,
              true}),
+      // Segment ids (the general variants): documents in order (tiles skipped, batch 1 ending
+      // in padding ids), documents on tile boundaries, ids in any order; causal, GQA, lengths.
+      with_segments({"bf16 segments docs T300 S300 H64", bf16, 2, 2, 2, 300, 300, 64}, Segments::kDocs),
+      with_segments({"f16 segments docs causal GQA N4 K2 T257 S257 H128", f16, 2, 4, 2, 257, 257, 128, kUnb, 0},
+                    Segments::kDocs),
+      with_segments({"bf16 segments tile docs causal T384 S384 H64", bf16, 2, 2, 1, 384, 384, 64, kUnb, 0},
+                    Segments::kTileDocs),
+      with_segments({"f16 segments tile docs T320 S448 H128", f16, 2, 2, 2, 320, 448, 128}, Segments::kTileDocs),
+      with_segments({"bf16 segments docs + lens, bottom-right causal T200 S333 H64", bf16, 3, 2, 1, 200, 333, 64,
+                     kUnb, 0, true, Bias::kNone, Mask::kNone, true},
+                    Segments::kDocs),
+      with_segments({"f16 segments random ids + mask T129 S140 H96", f16, 2, 2, 2, 129, 140, 96, kUnb, kUnb, false,
+                     Bias::kNone, Mask::kRandom},
+                    Segments::kRandom),
+      with_segments({"bf16 segments docs + window (40, 3) + bias T260 S260 H32", bf16, 2, 2, 2, 260, 260, 32, 40, 3,
+                     false, Bias::kF32QueryKey},
+                    Segments::kDocs),
+      with_segments({"f32 segments docs causal T200 S200 H72", f32, 2, 2, 2, 200, 200, 72, kUnb, 0},
+                    Segments::kDocs),
+      with_segments(exact({"f32 segments tile docs GQA T256 S320 H128", f32, 2, 4, 2, 256, 320, 128}),
+                    Segments::kTileDocs),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;

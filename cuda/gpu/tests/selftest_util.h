@@ -7,10 +7,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -105,6 +107,43 @@ void set_view(ArrayView& v, void* data, int64_t sb, int64_t skh, int64_t sg, int
   v.data = data;
   v.inst_stride[0] = sb, v.inst_stride[1] = skh, v.inst_stride[2] = sg;
   v.row_stride = row, v.col_stride = col;
+}
+
+// Segment ids (params.h's packed sequences) of a case, and what they exercise.
+enum class Segments {
+  kNone,
+  kDocs,      // documents of 1..97 positions numbered in order (tiles skipped, element tests at
+              // document edges); batch 1 ends in padding: -1 on the query side, -2 on the key side
+  kTileDocs,  // documents of 64 or 128 positions: their edges on tile boundaries
+  kRandom,    // ids in {0, 1, 2} in any order: no tile skipped, the element test everywhere
+};
+
+// (B, L) int32 ids, row-major, for sequences of length L. Queries and keys get the same
+// documents (the same `seed`) over their own lengths, as in self-attention; `pad_id` marks
+// the padding of kDocs.
+std::vector<int32_t> segment_ids(Segments kind, int B, int L, int32_t pad_id, uint32_t seed) {
+  std::vector<int32_t> ids(size_t(B) * L, 0);
+  std::mt19937 rng(seed);
+  for (int b = 0; b < B; ++b) {
+    int32_t* row = ids.data() + size_t(b) * L;
+    if (kind == Segments::kRandom) {
+      for (int i = 0; i < L; ++i) row[i] = std::uniform_int_distribution<int>(0, 2)(rng);
+      continue;
+    }
+    // Document lengths drawn up to a fixed extent (past any case's L), so that both sides
+    // draw the same documents.
+    constexpr int kExtent = 4096;
+    int32_t doc = 0;
+    for (int start = 0; start < kExtent;) {
+      const int len = kind == Segments::kTileDocs ? 64 * std::uniform_int_distribution<int>(1, 2)(rng)
+                                                  : std::uniform_int_distribution<int>(1, 97)(rng);
+      for (int i = start; i < start + len && i < L; ++i) row[i] = doc;
+      start += len, ++doc;
+    }
+    if (kind == Segments::kDocs && b == 1)
+      for (int i = std::max(0, L - 5); i < L; ++i) row[i] = pad_id;
+  }
+  return ids;
 }
 
 // The bench's shapes to time: `bench-only [D N causal|full]` picks one; 0 / -1 mean every value.

@@ -1,0 +1,58 @@
+// Packed sequences (segment ids, params.h) in the CUDA general kernels: the id range
+// (IdRange) of every query tile and key tile, computed once per call by a small kernel
+// (segment_tile_ranges.h) into the call's scratch before the attention kernels run, so that
+// a kernel can skip a (query tile, key tile) pair whose ranges do not meet (no pair of equal
+// ids, nothing visible) with two uniform loads, and skip the per-element test where both
+// tiles hold one and the same id.
+// Tiles are those of the kernel that reads the table, aligned on multiples of their size, so
+// every range is exact for the tile the kernel visits.
+#pragma once
+
+#include <cstdint>
+
+#include "../params.h"
+
+namespace jaxflash::gpu {
+
+// The tables: [instance][tile] for each side; null without segment ids.
+struct SegmentTiles {
+  const IdRange* q = nullptr;
+  const IdRange* k = nullptr;
+  int64_t q_tiles = 0, k_tiles = 0;
+
+  // Whether query tile i and key tile j of instance `linear` may hold a pair of equal ids
+  // (always without segment ids).
+  __device__ __forceinline__ bool may_meet(int64_t linear, int64_t i, int64_t j) const {
+    return q == nullptr || q[linear * q_tiles + i].meets(k[linear * k_tiles + j]);
+  }
+  // Whether the pair needs the per-element test: ids present and not one id on both sides.
+  __device__ __forceinline__ bool needs_test(int64_t linear, int64_t i, int64_t j) const {
+    return q != nullptr && !q[linear * q_tiles + i].all_equal(k[linear * k_tiles + j]);
+  }
+  // How many key tiles of [j0, j1) may meet query tile i (the backward's dQ turn, bwd_kernel.h);
+  // the whole warp calls it, converged, and every lane gets the count.
+  __device__ __forceinline__ int meeting_key_tiles(int64_t linear, int64_t i, int64_t j0, int64_t j1,
+                                                   int lane) const {
+    const IdRange query = q[linear * q_tiles + i];
+    const IdRange* keys = k + linear * k_tiles;
+    int n = 0;
+    for (int64_t j = j0; j < j1; j += 32) {
+      const bool meets = j + lane < j1 && query.meets(keys[j + lane]);
+      n += __popc(__ballot_sync(0xffffffffu, meets));
+    }
+    return n;
+  }
+};
+
+// The scratch the two tables take (every table 256-byte aligned inside a buffer of any
+// alignment, hence 256 bytes of slack); 0 without segment ids.
+inline int64_t segment_tiles_bytes(bool has_segment_ids, int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
+                                   int q_rows, int k_rows) {
+  if (!has_segment_ids) return 0;
+  auto table = [&](int64_t length, int rows) {
+    return ((instances * ((length + rows - 1) / rows) * int64_t{sizeof(IdRange)}) + 255) / 256 * 256;
+  };
+  return 256 + table(seqlen_q, q_rows) + table(seqlen_k, k_rows);
+}
+
+}  // namespace jaxflash::gpu
