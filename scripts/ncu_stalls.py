@@ -22,6 +22,7 @@ def main(argv=None) -> int:
   samples = collections.Counter()  # (file, line) -> all samples
   reasons = collections.defaultdict(collections.Counter)  # (file, line) -> reason -> samples
   instructions = {}  # address -> (samples, reason -> samples), each instruction once
+  count = lambda v: int(v.replace(",", "")) if v.replace(",", "").isdigit() else 0
   path, header = None, None
   with open(args.csv, newline="") as f:
     for row in csv.reader(f):
@@ -35,7 +36,6 @@ def main(argv=None) -> int:
         continue
       if not header or len(row) != len(header):
         continue
-      count = lambda v: int(v.replace(",", "")) if v.replace(",", "").isdigit() else 0
       n = count(row[4])  # "Warp Stall Sampling (All Samples)"
       stalls = collections.Counter({name[len("stall_"):]: count(v) for name, v in zip(header, row)
                                     if name.startswith("stall_") and "(" not in name})

@@ -133,11 +133,12 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
 #pragma unroll 1
     for (int64_t i = rows.lo / BM; rows.lo < rows.hi && i <= (rows.hi - 1) / BM; ++i, ++turn) {
       const int64_t m0 = i * BM;
-      const int stage = turn % 2;
-      mbar_wait(full + stage, turn / 2 % 2);
+      const Stage<2> stage(turn);
+      mbar_wait(full + stage.index, stage.parity);
       const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
-      add_dq_tile(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad, stages + stage * kTileFloats, kTileFloats * 4,
-                  rt.sems + (linear * rt.q_tiles + i) * Cfg::kDq.warps, target, pending, empty + stage);
+      add_dq_tile(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad, stages + stage.index * kTileFloats,
+                  kTileFloats * 4, rt.sems + (linear * rt.q_tiles + i) * Cfg::kDq.warps, target, pending,
+                  empty + stage.index);
     }
   }
   flush_dq_turn(pending, 0);
@@ -360,12 +361,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       // To the writer: each warp's block in the accumulator's layout, once the
       // writer's reduction of two tiles ago has read the stage.
-      const int dq_stage = dq_turn % 2;
-      mbar_wait(dq_empty + dq_stage, (dq_turn / 2 % 2) ^ 1);
-      stage_dq_frags(dq, dq_stages + dq_stage * Cfg::kDqTileFloats + dq_warp * kDqWarpFloats, lane);
+      const Stage<2> dq_stage(dq_turn);
+      mbar_wait(dq_empty + dq_stage.index, dq_stage.parity ^ 1u);
+      stage_dq_frags(dq, dq_stages + dq_stage.index * Cfg::kDqTileFloats + dq_warp * kDqWarpFloats, lane);
       fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
       __syncwarp();
-      mbar_arrive_if(dq_full + dq_stage, lane == 0);
+      mbar_arrive_if(dq_full + dq_stage.index, lane == 0);
       ++dq_turn;
     }
   }

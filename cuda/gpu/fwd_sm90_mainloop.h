@@ -76,14 +76,6 @@ struct FwdSm90Smem {
   }
 };
 
-// Tile i's buffer and the parity of its use of it.
-template <int S>
-struct Stage {
-  int index;
-  uint32_t parity;
-  __device__ __forceinline__ explicit Stage(int i) : index(i % S), parity(static_cast<uint32_t>(i / S) & 1u) {}
-};
-
 // One TMA box per 64-column block of a tile whose rows start at `row`.
 template <class Tile>
 __device__ __forceinline__ void tma_load_tile(const FwdTmaOperand& op, const int (&inst)[3], uint64_t* bar,

@@ -74,6 +74,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
+// Tile i's buffer of an S-buffer mbarrier pipeline and the parity of its use
+// of it (the phase a consumer waits for on "full"; a producer waits for the
+// other parity on "empty").
+template <int S>
+struct Stage {
+  int index;
+  uint32_t parity;
+  __device__ __forceinline__ explicit Stage(uint32_t i) : index(static_cast<int>(i % S)), parity(i / S & 1u) {}
+};
+
 // A TMA load of one box of `map` at element coordinates c (innermost first)
 // into shared memory at dst, its bytes counted against `bar`. R = the map's rank.
 template <int R>
