@@ -34,33 +34,47 @@ ffi::Error refuse_segment_ids(const AttentionParams& p) {
   return ffi::Error::Success();
 }
 
+// Nor ALiBi (alibi_slopes), refused the same way.
+ffi::Error refuse_alibi(const AttentionParams& p) {
+  if (p.has(kHasAlibi))
+    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no ALiBi (alibi_slopes) yet");
+  return ffi::Error::Success();
+}
+
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                        ffi::AnyBuffer alibi_slopes,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids}, *o,
-                              *lse, attrs);
+  if (auto e = decode_forward(
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, *o, *lse,
+          attrs);
       e.failure())
     return e;
   if (auto e = refuse_segment_ids(p); e.failure()) return e;
+  if (auto e = refuse_alibi(p); e.failure()) return e;
   return launch_status(gpu::launch_forward(p, stream), "forward");
 }
 
 ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                          ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                         ffi::AnyBuffer alibi_slopes,
                          ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                         ffi::Result<ffi::AnyBuffer> dalibi,
                          ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_backward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids}, lse,
-                               delta, d_o, *dq, *dk, *dv, *dbias, attrs);
+  if (auto e = decode_backward(
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, lse, delta,
+          d_o, *dq, *dk, *dv, *dbias, *dalibi, attrs);
       e.failure())
     return e;
   if (auto e = refuse_segment_ids(p); e.failure()) return e;
+  if (auto e = refuse_alibi(p); e.failure()) return e;
   const int64_t needed =
       gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim, p.dtype);
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)
