@@ -164,6 +164,10 @@ def _natural(lse2):
   return lse2[..., 0] * np.float32(np.log(2.0))
 
 
+# The differentiable ones among the optional operands.
+_BIAS, _SLOPES = OPTIONAL_INPUTS.index("bias"), OPTIONAL_INPUTS.index("alibi_slopes")
+
+
 # `optional`: the OPTIONAL_INPUTS (bias, mask, lengths, dropout seed, segment ids, ALiBi slopes),
 # None where absent. The bias and the slopes among them are differentiable; the others get no
 # cotangent (None).
@@ -222,9 +226,6 @@ def _flash_bwd(config, residuals, cotangents):
   if wanted.dslopes:
     d_optional[_SLOPES] = _slopes_gradient(dalibi, bwd_config.layout("dalibi"), slopes)
   return dq, dk, dv, tuple(d_optional)
-
-
-_BIAS, _SLOPES = OPTIONAL_INPUTS.index("bias"), OPTIONAL_INPUTS.index("alibi_slopes")
 
 
 def _slopes_gradient(dalibi, layout: Layout, slopes):
