@@ -38,6 +38,8 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   q_lens, kv_lens             : instance strides only
 //   seed                        : col = word (2 uint32 per instance), no rows
 //   q_segment_ids, kv_segment_ids : row = query / key position, no cols
+//   alibi_slopes                  : instance strides only (one slope per query head)
+//   dalibi                        : row = query position, col unused
 // data == nullptr means the operand is absent.
 struct ArrayView {
   void* data = nullptr;
@@ -64,6 +66,9 @@ enum Flags : int64_t {
   // q_segment_ids and kv_segment_ids (packed sequences): key s is visible from query t only
   // if their ids are equal (segment_visible below).
   kHasSegmentIds = 1 << 10,
+  // alibi_slopes: the logits get -slope * |s - t - offset| (alibi_slope below).
+  kHasAlibi = 1 << 11,
+  kHasDalibi = 1 << 12,  // backward: write dalibi (needs kHasAlibi)
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -118,6 +123,7 @@ struct AttentionParams {
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
   ArrayView seed;                                  // uint32: the dropout seed of each instance
   ArrayView q_segment_ids, kv_segment_ids;         // int32, one id per query / key position
+  ArrayView alibi_slopes;                          // float32, one slope per instance (query head)
   // lse: float32, in base 2, as an unevaluated sum of two floats per row, col 0 = hi and
   // col 1 = lo: hi + lo = log2 Σ_s 2^(log2(e)·logit) exactly as the forward formed it
   // (LseSplit below); hi = -inf, lo = 0 for a row that sees no key. The backward
@@ -135,6 +141,11 @@ struct AttentionParams {
   // jax.nn's.
   ArrayView d_o, delta;
   ArrayView dq, dk, dv, dbias;
+  // dalibi (kHasDalibi): float32, per query row t of each instance, the row's share of the
+  // slope's gradient, -Σ_s dS(t, s)·|s - t - offset| (dS: the gradient of the logit); Python
+  // sums it over the rows (and the axes the slopes are broadcast along). Per row, so that
+  // each element has one writer and the sum needs no atomics or tile-size contract.
+  ArrayView dalibi;
 
   JF_HOST_DEVICE bool has(int64_t flag) const { return (flags & flag) != 0; }
 
@@ -197,6 +208,16 @@ JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t 
   }
   if (p.has(kBottomRight)) b.offset += b.kv_len - b.q_len;
   return b;
+}
+
+// ALiBi: the logit of query t and key s gets -slope * |s - t - b.offset|, the distance from
+// the diagonal that causal masking and windows use (top-left: |s - t|, bottom-right:
+// |s - t - (kv_len - q_len)|, FlashAttention's |i + seqlen_k - seqlen_q - j|; ring blocks:
+// positions in the whole sequence). Added after the soft-cap, with the bias, as FlashAttention
+// adds it. The slope of one instance; 0 without kHasAlibi.
+JF_HOST_DEVICE float alibi_slope(const AttentionParams& p, int64_t linear) {
+  if (!p.has(kHasAlibi)) return 0.f;
+  return static_cast<const float*>(p.alibi_slopes.data)[instance_offset(p, p.alibi_slopes, linear)];
 }
 
 // Whether key s is visible from query t by position alone (window, causal,

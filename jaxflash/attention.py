@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxflash import primitives
 from jaxflash import ring as ring_lib
 from jaxflash.contract import OPTIONAL_INPUTS, Flag, KernelConfig, absent
-from jaxflash.layout import Layout, drop_col
+from jaxflash.layout import ROW, Layout, drop_col, role_axis
 from jaxflash.validation import validate, validate_ring
 
 
@@ -33,7 +33,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
               precision: str | jax.lax.Precision | None = None, dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, broadcast_dropout: bool = False,
               logits_soft_cap: float | None = None, query_segment_ids=None,
-              key_value_segment_ids=None):
+              key_value_segment_ids=None, alibi_slopes=None):
   r"""Scaled dot-product attention, computed by jaxflash's FlashAttention kernels.
 
   Same arguments, shapes and semantics as :func:`jax.nn.dot_product_attention`:
@@ -97,6 +97,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       :func:`jaxflash.segment_ids_from_lengths` builds them from document lengths. Pallas
       splash attention's and Transformer Engine's name; FlashAttention's varlen
       ``cu_seqlens`` are the cumulative document lengths of the same packing.
+    alibi_slopes: ALiBi, float32 ``(N,)`` or ``(B, N)`` (``(N,)`` for 3-D inputs, a scalar or
+      ``(1,)`` for a single head), one slope per query head (GQA: per query head, not per kv
+      head): the logit of query ``t`` and key ``s`` gets ``-slope * |s - t - offset|``, the
+      distance to the diagonal that ``is_causal`` and windows use: ``offset`` is 0 with
+      ``mask_alignment="top_left"``, ``kv_len - q_len`` with ``"bottom_right"`` (the lengths
+      after ``query_seq_lengths`` / ``key_value_seq_lengths``), which is FlashAttention's
+      ``alibi_slopes`` exactly (``|i + seqlen_k - seqlen_q - j|``). Added after
+      ``logits_soft_cap`` (uncapped), with ``bias``, as FlashAttention adds it; computed in the
+      kernel (no ``T×S`` array). Differentiable: the slopes' gradient is exact on the CPU
+      kernels. The CUDA kernels do not have ALiBi yet: lowering for a GPU raises
+      NotImplementedError. Concrete slopes must be finite.
 
   Returns:
     The attention output, shaped like ``query``; with ``return_residual``, a
@@ -104,8 +115,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
 
   Differences from jax.nn.dot_product_attention: a query row that sees no key
   outputs 0 and has logsumexp ``-inf`` (jax.nn averages V there); the returned
-  logsumexp is differentiable (jax.nn stops its gradient); dropout and the
-  logit soft-cap, which jax.nn does not have.
+  logsumexp is differentiable (jax.nn stops its gradient); dropout, the
+  logit soft-cap and ALiBi, which jax.nn does not have.
   """
   call = validate(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                   query_seq_lengths=query_seq_lengths,
@@ -115,7 +126,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
                   precision=precision, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                   broadcast_dropout=broadcast_dropout, logits_soft_cap=logits_soft_cap,
                   query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids)
+                  key_value_segment_ids=key_value_segment_ids, alibi_slopes=alibi_slopes)
   if call.is_empty:
     out = jnp.zeros(call.q.shape, call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
@@ -129,9 +140,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class _WantDbias:
-  """Whether the backward computes dbias: a static leaf of the residuals."""
-  value: bool
+class _Wanted:
+  """Which optional gradients the backward computes (those of the operands being
+  differentiated): a static leaf of the residuals."""
+  dbias: bool
+  dslopes: bool
 
 
 def _with_placeholders(optional, dtype):
@@ -151,8 +164,13 @@ def _natural(lse2):
   return lse2[..., 0] * np.float32(np.log(2.0))
 
 
-# `optional`: the OPTIONAL_INPUTS (bias, mask, lengths, dropout seed, segment ids), None where
-# absent. Only the bias among them is differentiable; the others get no cotangent (None).
+# The differentiable ones among the optional operands.
+_BIAS, _SLOPES = OPTIONAL_INPUTS.index("bias"), OPTIONAL_INPUTS.index("alibi_slopes")
+
+
+# `optional`: the OPTIONAL_INPUTS (bias, mask, lengths, dropout seed, segment ids, ALiBi slopes),
+# None where absent. The bias and the slopes among them are differentiable; the others get no
+# cotangent (None).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, optional, config):
   out, lse2 = _bind_forward(q, k, v, optional, config)
@@ -165,15 +183,18 @@ def _flash_fwd(q, k, v, optional, config):
   # The output stays float32 as the backward's residual (see delta in _flash_bwd).
   out32, lse2 = _bind_forward(*values, optional_values,
                               config.replace(flags=config.flags | Flag.OUTPUT_F32))
-  bias = optional[0]
-  want_dbias = bias is not None and bias.perturbed
+  bias, slopes = optional[_BIAS], optional[_SLOPES]
+  # Only for operands being differentiated (custom_vjp's `perturbed`), so that a call that does
+  # not differentiate the slopes never asks the kernels for their gradient.
+  wanted = _Wanted(dbias=bias is not None and bias.perturbed,
+                   dslopes=slopes is not None and slopes.perturbed)
   return ((out32.astype(values[0].dtype), _natural(lse2)),
-          ((*values, optional_values), out32, lse2, _WantDbias(want_dbias)))
+          ((*values, optional_values), out32, lse2, wanted))
 
 
 def _flash_bwd(config, residuals, cotangents):
-  (q, k, v, optional), out32, lse2, want_dbias = residuals
-  bias = optional[0]
+  (q, k, v, optional), out32, lse2, wanted = residuals
+  bias, slopes = optional[_BIAS], optional[_SLOPES]
   d_out, d_lse = cotangents
   if isinstance(d_out, SymbolicZero):
     d_out = jnp.zeros(out32.shape, q.dtype)
@@ -186,18 +207,34 @@ def _flash_bwd(config, residuals, cotangents):
   # ignores: its gradient is the lse's cotangent on rows that see a key, in closed form. The
   # kernel's sum of dS over the keys would carry Δ's rounding instead of 0 (Δ comes from O, whose
   # P·V product rounds P to the input dtype), several times jax.nn's error for such a bias.
-  closed_form_dbias = want_dbias.value and (bias.ndim == 0 or bias.shape[-1] == 1)
-  if want_dbias.value and not closed_form_dbias:
+  closed_form_dbias = wanted.dbias and (bias.ndim == 0 or bias.shape[-1] == 1)
+  if wanted.dbias and not closed_form_dbias:
     grad_layouts["dbias"] = config.layout("bias")
     flags |= Flag.HAS_DBIAS
+  if wanted.dslopes:
+    grad_layouts["dalibi"] = grad_layouts["delta"]
+    flags |= Flag.HAS_DALIBI
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
-  dq, dk, dv, dbias = primitives.backward_p.bind(
+  dq, dk, dv, dbias, dalibi = primitives.backward_p.bind(
       q, k, v, *_with_placeholders(optional, q.dtype), lse2, delta, d_out.astype(q.dtype),
       config=bwd_config)
   if closed_form_dbias:
     dbias = _row_shift_gradient(d_lse, lse2[..., 0], bias)
-  d_optional = ((dbias if want_dbias.value else None),) + (None,) * (len(optional) - 1)
-  return dq, dk, dv, d_optional
+  d_optional = [None] * len(optional)
+  if wanted.dbias:
+    d_optional[_BIAS] = dbias
+  if wanted.dslopes:
+    d_optional[_SLOPES] = _slopes_gradient(dalibi, bwd_config.layout("dalibi"), slopes)
+  return dq, dk, dv, tuple(d_optional)
+
+
+def _slopes_gradient(dalibi, layout: Layout, slopes):
+  """The ALiBi slopes' gradient from the kernel's per-row shares (dalibi, laid out as delta:
+  (B, T, N) / (T, N) / (T,)): summed over the rows, then over the batch where the slopes are
+  shared by it ((N,) slopes of 4-D inputs)."""
+  g = jnp.sum(dalibi, axis=role_axis(layout, ROW))
+  g = jnp.sum(g, axis=tuple(range(g.ndim - slopes.ndim)))
+  return g.reshape(slopes.shape).astype(slopes.dtype)
 
 
 def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:

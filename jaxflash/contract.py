@@ -35,6 +35,8 @@ class Flag(enum.IntFlag):
   EXACT_F32 = 1 << 8  # float32 inputs: float32-accurate products (3xTF32 on CUDA), not tf32
   DROPOUT = 1 << 9  # attention dropout on P, decided from the seed operand
   HAS_SEGMENT_IDS = 1 << 10  # q_segment_ids and kv_segment_ids: a key is seen from equal ids only
+  HAS_ALIBI = 1 << 11  # alibi_slopes: the logits get -slope * |distance to the diagonal|
+  HAS_DALIBI = 1 << 12  # backward: write dalibi, the slopes' gradient per query row
 
 
 UNBOUNDED = -1  # kUnbounded: an open side of the attention window
@@ -44,7 +46,8 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 # The operand slots of the "strides" attribute, in the order of enum Slot (decode.h).
 SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
-         "d_o", "delta", "dq", "dk", "dv", "dbias", "seed", "q_segment_ids", "kv_segment_ids")
+         "d_o", "delta", "dq", "dk", "dv", "dbias", "seed", "q_segment_ids", "kv_segment_ids",
+         "alibi_slopes", "dalibi")
 
 # kMaxInstanceDims. Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8
@@ -58,24 +61,26 @@ DROPOUT_RESOLUTION = 2**16
 
 # The kernel primitives' operands and results, in the order the FFI handlers bind them.
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q_segment_ids",
-                  "kv_segment_ids")
+                  "kv_segment_ids", "alibi_slopes")
 # The optional ones, which absent placeholders stand in for (jaxflash/attention.py binds them).
 OPTIONAL_INPUTS = FORWARD_INPUTS[3:]
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
 FORWARD_RESULTS = ("o", "lse", "workspace")
-BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "workspace")
+# dalibi: per query row, that row's share of the ALiBi slope's gradient (cuda/params.h).
+BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "dalibi", "workspace")
 
 # The slots whose ROW axis runs along the query positions; the other slots with a
 # ROW axis (k, v, dk, dv) run along the key positions (view_extent in decode.h).
 QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias",
-                   "q_segment_ids")
+                   "q_segment_ids", "dalibi")
 # The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
 # axis must be minor-most in memory.
 COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
 # The element types the handlers expect of the optional operands that are not in the
 # query's dtype (XLA's PRED, S32, U32); an absent one is a zero-size array.
 ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32,
-                 "q_segment_ids": jnp.int32, "kv_segment_ids": jnp.int32}
+                 "q_segment_ids": jnp.int32, "kv_segment_ids": jnp.int32,
+                 "alibi_slopes": jnp.float32}
 
 
 def absent(slot: str, dtype) -> jax.Array:

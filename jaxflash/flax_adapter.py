@@ -95,7 +95,7 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
                    dtype=None, precision=None, module=None, is_causal: bool = False,
                    force_fp32_for_softmax: bool = False, qk_attn_weights_einsum=None,
                    attn_weights_value_einsum=None, logits_soft_cap: float | None = None,
-                   query_segment_ids=None, key_value_segment_ids=None):
+                   query_segment_ids=None, key_value_segment_ids=None, alibi_slopes=None):
   """Attention in Flax's ``attention_fn`` convention, computed by jaxflash's kernels.
 
   Use it as ``nnx.MultiHeadAttention(..., attention_fn=jaxflash.flax_attention)`` or
@@ -126,6 +126,9 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     query_segment_ids, key_value_segment_ids: packed sequences, :func:`jaxflash.attention`'s,
       shaped ``(batch..., T)`` and ``(batch..., S)`` (not Flax arguments: bind them with
       ``functools.partial`` for the call; see the module docstring). Combined with ``mask``.
+    alibi_slopes: ALiBi, :func:`jaxflash.attention`'s, shaped ``(N,)`` or ``(batch..., N)``
+      (not a Flax argument: bind it with ``functools.partial``). Its distances are top-left
+      aligned (``|s - t|``), as everything in this adapter.
 
   Returns:
     ``(batch..., T, N, H)`` in the query's dtype (``dtype`` when given).
@@ -160,6 +163,11 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     # jaxflash.attention checks them (both given, integer, their shapes) on the merged batch.
     options.update(query_segment_ids=_merge_batch_ids(query_segment_ids, batch_shape),
                    key_value_segment_ids=_merge_batch_ids(key_value_segment_ids, batch_shape))
+  if alibi_slopes is not None:
+    slopes = jnp.asarray(alibi_slopes)
+    # jaxflash.attention checks the shape ((N,) or (B, N)) on the merged batch.
+    options.update(alibi_slopes=slopes if slopes.ndim <= 1 else
+                   slopes.reshape((math.prod(batch_shape), slopes.shape[-1])))
   if dropout_rate > 0.0 and not deterministic:
     options.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=bool(broadcast_dropout))
@@ -168,8 +176,8 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
 
 
 def _attend(q, k, v, bias, mask, is_causal, options):
-  """attention() with `options` (precision, soft-cap, dropout), the mask run as causal and
-  lengths where it has that structure."""
+  """attention() with `options` (precision, soft-cap, segment ids, ALiBi, dropout), the mask run
+  as causal and lengths where it has that structure."""
   call = lambda **kwargs: attention(q, k, v, bias, **options, **kwargs)
   if mask is None:
     return call(is_causal=is_causal)

@@ -1,16 +1,18 @@
 """The kernel primitives: one custom call per direction, on the arrays one device holds.
 
 ``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
-                          q_segment_ids, kv_segment_ids) -> (o, lse, workspace)
+                          q_segment_ids, kv_segment_ids, alibi_slopes) -> (o, lse, workspace)
 ``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
-                          q_segment_ids, kv_segment_ids, lse, delta, d_o)
-                         -> (dq, dk, dv, dbias, workspace)
+                          q_segment_ids, kv_segment_ids, alibi_slopes, lse, delta, d_o)
+                         -> (dq, dk, dv, dbias, dalibi, workspace)
 
 lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
 lo, whose sum is exact (cuda/params.h says why); jaxflash.attention hands its callers
 hi ln 2, the natural log.
 Absent optional operands are zero-size arrays (flags say which are present);
-``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py).
+``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py). ``dalibi`` is the
+ALiBi slopes' gradient per query row (float32, laid out as delta), zero-size without
+HAS_DALIBI; jaxflash/attention.py sums it over the rows.
 ``workspace`` is the CUDA kernels' scratch (uint8), sized here at abstract evaluation by
 the native module so the handler never allocates: the backward's dQ accumulator and row
 statistics, both directions' per-tile segment-id ranges (zero-size for a forward without
@@ -61,12 +63,15 @@ def forward_avals(q, config: KernelConfig):
 
 
 def gradient_avals(q, k, v, bias, config: KernelConfig):
-  """(dq, dk, dv, dbias) of a backward with this config; dbias is zero-size without HAS_DBIAS."""
+  """(dq, dk, dv, dbias, dalibi) of a backward with this config; dbias is zero-size without
+  HAS_DBIAS, dalibi without HAS_DALIBI."""
   dbias_shape = shape_of(config.layout("dbias")) if config.has(Flag.HAS_DBIAS) else (0,)
+  dalibi_shape = shape_of(config.layout("dalibi")) if config.has(Flag.HAS_DALIBI) else (0,)
   return (result_aval(q, shape_of(config.layout("dq")), q.dtype),
           result_aval(q, shape_of(config.layout("dk")), k.dtype),
           result_aval(q, shape_of(config.layout("dv")), v.dtype),
-          result_aval(q, dbias_shape, bias.dtype))
+          result_aval(q, dbias_shape, bias.dtype),
+          result_aval(q, dalibi_shape, jnp.float32))
 
 
 # ---------------------------------------------------------------- batching
@@ -104,14 +109,17 @@ def forward_batching_rule(primitive, extra_results: int):
 
 def backward_batching_rule(primitive, extra_results: int):
   """The batching rule of a primitive that takes BACKWARD_INPUTS and returns (dq, dk, dv,
-  dbias) and `extra_results` unbatched results. jaxflash/primitives.py's backward shares it."""
+  dbias, dalibi) and `extra_results` unbatched results. jaxflash/primitives.py's backward
+  shares it."""
   def rule(args, dims, *, config):
     config, axis = _new_instance_axis(config, BACKWARD_INPUTS, args, dims)
     # Every gradient is per vmapped instance, also for an operand that was not
     # batched (JAX sums those afterwards); each lands where its operand had the
     # vmapped axis, else in front.
     updates, out_dims = {}, []
-    for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3)):
+    # dalibi has a row per query of each instance, as delta has: it goes where delta has the axis.
+    for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3),
+                          ("dalibi", BACKWARD_INPUTS.index("delta"))):
       if config.layout(grad) is None:
         out_dims.append(None)
         continue
@@ -167,9 +175,15 @@ def _lowering(target: str):
   return rule
 
 
-def _check_cuda_positions(config: KernelConfig) -> None:
-  """The CUDA kernels hold positions in 32 bits (contract.CUDA_MAX_SEQLEN): a longer sequence
-  is refused here, when the call is lowered for a GPU, rather than by the kernel at run time."""
+def _check_cuda_call(config: KernelConfig) -> None:
+  """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
+  by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
+  contract.CUDA_MAX_SEQLEN) and ALiBi (not in the CUDA kernels yet)."""
+  if config.has(Flag.HAS_ALIBI):
+    raise NotImplementedError(
+        "jaxflash.attention: alibi_slopes run on the CPU kernels only for now; the CUDA kernels "
+        "do not have ALiBi yet (a dense bias of -slope * |distance| works on the GPU, at T x S "
+        "memory).")
   T, S, _ = config.seq_dims
   for what, n in (("query sequence length (query.shape[-3])", T),
                   ("key/value sequence length (key.shape[-3])", S),
@@ -186,7 +200,7 @@ def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
   its strides follow that layout: XLA then transposes it around the call, on CUDA only and
   only in that case (the batching rules stay copy-free on every platform)."""
   def rule(ctx, *args, config):
-    _check_cuda_positions(config)
+    _check_cuda_call(config)
     orders = config.col_minor_orders()
     if not orders:
       return ffi.ffi_lowering(target)(ctx, *args, **config.ffi_attributes())

@@ -47,7 +47,7 @@ from jaxflash.layout import COL, ROW, Axis, role_axis
 
 # The kernels' workspaces stay inside the partition.
 OUTPUTS = FORWARD_RESULTS[:2]
-GRADIENTS = BACKWARD_RESULTS[:4]
+GRADIENTS = BACKWARD_RESULTS[:-1]
 
 # The factor of each slot's COL axis (the seed's COL axis, its two words, has none: never
 # sharded); a ROW axis is t for QUERY_ROW_SLOTS, else s.
@@ -382,7 +382,7 @@ def _reorder(ring: ring_lib.Ring, x, slot: str, permute):
 
 def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
   """Ring attention on contiguous sequence shards (permuted to zig-zag order and back)."""
-  del absent  # bias, mask, q_lens, kv_lens, seed, segment ids: ring_lib.unsupported
+  del absent  # bias, mask, q_lens, kv_lens, seed, segment ids, slopes: ring_lib.unsupported
   q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
   o32, lse = ring_lib.forward(q, k, v, ring)
   o = o32 if ring.config.has(Flag.OUTPUT_F32) else o32.astype(q.dtype)
@@ -391,14 +391,15 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
 
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                   kv_segment_ids, lse, delta, d_o):
+                   kv_segment_ids, alibi_slopes, lse, delta, d_o):
   # absent: ring_lib.unsupported
-  del bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids
+  del bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes
   operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
   grads = ring_lib.backward(*operands, ring)
   return tuple(_reorder(ring, g, slot, ring_lib.from_zigzag)
-               for g, slot in zip(grads, ("dq", "dk", "dv"))) + (absent("dbias", q.dtype),)
+               for g, slot in zip(grads, ("dq", "dk", "dv"))) + (absent("dbias", q.dtype),
+                                                                  absent("dalibi", jnp.float32))
 
 
 def _infer(slots: Sequence[str], results: Sequence[str]):
@@ -410,17 +411,19 @@ def _infer(slots: Sequence[str], results: Sequence[str]):
   return infer
 
 
-def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, config):
+def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids,
+             alibi_slopes, config):
   o, lse, _workspace = kernels.forward_kernel_p.bind(q, k, v, bias, mask, q_lens, kv_lens, seed,
-                                                     q_segment_ids, kv_segment_ids, config=config)
+                                                     q_segment_ids, kv_segment_ids, alibi_slopes,
+                                                     config=config)
   return o, lse
 
 
-def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, lse,
-              delta, d_o, config):
+def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids,
+              alibi_slopes, lse, delta, d_o, config):
   *grads, _workspace = kernels.backward_kernel_p.bind(
-      q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, lse, delta, d_o,
-      config=config)
+      q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes,
+      lse, delta, d_o, config=config)
   return tuple(grads)
 
 

@@ -63,7 +63,7 @@ def unsupported(config: KernelConfig) -> str | None:
   T, S, _ = config.seq_dims
   for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("q_lens", "query_seq_lengths"),
                      ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout"),
-                     ("q_segment_ids", "segment ids")):
+                     ("q_segment_ids", "segment ids"), ("alibi_slopes", "alibi_slopes")):
     if config.layout(slot) is not None:
       return f"{what} is not supported yet"
   if config.window != OPEN and T != S:
@@ -355,7 +355,7 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring):
 
         def compute(task: Task, k_rows, v_rows):
           q_rows = lambda x, slot: _rows(x, layout(slot), task.q0, task.tq)
-          dq_part, dk_part, dv_part, _dbias, _workspace = kernels.backward_kernel_p.bind(
+          dq_part, dk_part, dv_part, _dbias, _dalibi, _workspace = kernels.backward_kernel_p.bind(
               q_rows(q, "q"), k_rows, v_rows, *_absent_operands(q.dtype), q_rows(lse, "lse"),
               q_rows(delta, "delta"), q_rows(d_o, "d_o"), config=ring.task_config(task))
           f32 = lambda x: x.astype(jnp.float32)

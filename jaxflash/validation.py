@@ -27,9 +27,9 @@ MAX_HEAD_DIM = 256
 @dataclasses.dataclass
 class Call:
   """A validated call: the operands as the kernels take them (None: absent; the bias in the
-  query dtype or float32, the lengths and segment ids in int32, the dropout's seed words), the
-  static config, and whether the result is empty (a zero-size axis), which the kernels are not
-  called for."""
+  query dtype or float32, the lengths and segment ids in int32, the dropout's seed words, the
+  ALiBi slopes in float32), the static config, and whether the result is empty (a zero-size
+  axis), which the kernels are not called for."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -40,13 +40,14 @@ class Call:
   seed: jax.Array | None
   q_segment_ids: jax.Array | None
   kv_segment_ids: jax.Array | None
+  alibi_slopes: jax.Array | None
   config: KernelConfig
   is_empty: bool
 
   def optional_operands(self) -> tuple[jax.Array | None, ...]:
     """The optional operands in the kernels' order (contract.OPTIONAL_INPUTS)."""
     return (self.bias, self.mask, self.q_lens, self.kv_lens, self.seed, self.q_segment_ids,
-            self.kv_segment_ids)
+            self.kv_segment_ids, self.alibi_slopes)
 
 
 def _shape_str(x) -> str:
@@ -64,7 +65,8 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
              implementation=None, return_residual=False, mask_alignment="top_left",
              precision=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
-             logits_soft_cap=None, query_segment_ids=None, key_value_segment_ids=None) -> Call:
+             logits_soft_cap=None, query_segment_ids=None, key_value_segment_ids=None,
+             alibi_slopes=None) -> Call:
   """jaxflash.attention's arguments (the defaults are its own) checked and turned into a Call.
   Raises TypeError or ValueError naming the argument, what was given and what is allowed."""
   if implementation is not None:
@@ -209,6 +211,8 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   q_ids, q_ids_layout = segment_ids(query_segment_ids, "query_segment_ids", T, "T")
   kv_ids, kv_ids_layout = segment_ids(key_value_segment_ids, "key_value_segment_ids", S, "S")
 
+  slopes, slopes_layout = _alibi_slopes(alibi_slopes, rank, B, N, batch_role, head_role)
+
   window = _window(local_window_size, is_causal)
   scale = _scale(scale, H)
   softcap = _soft_cap(logits_soft_cap)
@@ -225,7 +229,8 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
                              ("q_lens", q_lens_layout, Flag.HAS_Q_LENS),
                              ("kv_lens", kv_lens_layout, Flag.HAS_KV_LENS),
                              ("q_segment_ids", q_ids_layout, Flag.HAS_SEGMENT_IDS),
-                             ("kv_segment_ids", kv_ids_layout, Flag.HAS_SEGMENT_IDS)):
+                             ("kv_segment_ids", kv_ids_layout, Flag.HAS_SEGMENT_IDS),
+                             ("alibi_slopes", slopes_layout, Flag.HAS_ALIBI)):
     if layout is not None:
       layouts[name] = layout
       flags |= flag
@@ -246,7 +251,7 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
                         seq_dims=(T, S, H), scale=scale, window=window, flags=flags,
                         keep_threshold=keep_threshold, keep_scale=keep_scale, softcap=softcap)
-  return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, q_ids, kv_ids, config, is_empty)
+  return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, q_ids, kv_ids, slopes, config, is_empty)
 
 
 def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_window_size, order,
@@ -359,6 +364,35 @@ def _segment_id_array(x, name: str) -> jax.Array:
     raise TypeError(f"jaxflash.attention: {name} must be an integer array (int32; ids are "
                     f"compared for equality), got {x.dtype}")
   return x.astype(jnp.int32)
+
+
+def _alibi_slopes(alibi_slopes, rank: int, B: int, N: int, batch_role, head_role):
+  """alibi_slopes as the kernels take them (float32) and their layout: one slope per query head,
+  (N,) or (B, N) for 4-D inputs, (N,) for 3-D ones, a scalar or (1,) for a single head.
+  Concrete slopes must be finite (a NaN or inf slope would turn whole rows into NaN); traced
+  ones cannot be checked."""
+  if alibi_slopes is None:
+    return None, None
+  x = _as_array(alibi_slopes, "alibi_slopes")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"jaxflash.attention: alibi_slopes must be a floating-point array (float32, "
+                    f"one slope per query head), got {x.dtype}")
+  if rank == 4:
+    allowed = {(N,): (head_role,), (B, N): (batch_role, head_role)}
+    want = f"({N},) or ({B}, {N}) (heads, or batch and heads)"
+  elif rank == 3:
+    allowed, want = {(N,): (head_role,)}, f"({N},) (heads)"
+  else:
+    allowed, want = {(): (), (1,): ((),)}, "() or (1,) (a single head)"
+  if x.shape not in allowed:
+    raise ValueError(f"jaxflash.attention: alibi_slopes must have shape {want}, got "
+                     f"{_shape_str(x)}")
+  if not isinstance(x, jax.core.Tracer):
+    values = np.asarray(x, np.float32)
+    if not np.all(np.isfinite(values)):
+      raise ValueError(f"jaxflash.attention: alibi_slopes must be finite, got "
+                       f"{values[~np.isfinite(values)][:4].tolist()}")
+  return x.astype(jnp.float32), tuple(zip(allowed[x.shape], x.shape))
 
 
 def _window(local_window_size, is_causal) -> tuple[int, int]:

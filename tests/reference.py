@@ -67,8 +67,9 @@ SAME_KERNEL_TOL = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-3), "bfloat16":
                    # by shape, so a GQA group's dK adds in another order, each term tf32-rounded.
                    "tensorfloat32": (1e-4, 1e-5)}
 
-GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias"}
-DIFFERENTIABLE = ("query", "key", "value", "bias")
+GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias",
+              "alibi_slopes": "dslopes"}
+DIFFERENTIABLE = ("query", "key", "value", "bias", "alibi_slopes")
 NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths", "dropout_rng",
                       "query_segment_ids", "key_value_segment_ids")
 # Passed to the attention function under test only where given: not every one takes them.
@@ -155,6 +156,35 @@ def segment_mask(query_segment_ids, key_value_segment_ids, batch: int):
   return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
 
 
+def diagonal_offset(batch: int, T: int, S: int, query_seq_lengths=None,
+                    key_value_seq_lengths=None, mask_alignment="top_left"):
+  """int32 (B,): the offset of the diagonal, 0 for "top_left" (jax.nn), kv_len - q_len for
+  "bottom_right" (the lengths default to T and S)."""
+  q_len = (jnp.full((batch,), T, jnp.int32) if query_seq_lengths is None
+           else jnp.asarray(query_seq_lengths, jnp.int32))
+  kv_len = (jnp.full((batch,), S, jnp.int32) if key_value_seq_lengths is None
+            else jnp.asarray(key_value_seq_lengths, jnp.int32))
+  if mask_alignment == "bottom_right":
+    return kv_len - q_len
+  if mask_alignment == "top_left":
+    return jnp.zeros((batch,), jnp.int32)
+  raise ValueError(f"unknown mask_alignment {mask_alignment!r}")
+
+
+def alibi_bias(alibi_slopes, query_shape, key_shape, **alignment):
+  """float32 (B, N, T, S): ALiBi as a dense bias, -slope * |s - t - offset| with the diagonal's
+  offset (diagonal_offset; `alignment`: its keyword arguments); slopes (N,), (B, N), () or
+  (1,)."""
+  B, T, N, _ = query_shape
+  S = key_shape[1]
+  slopes = jnp.asarray(alibi_slopes, jnp.float32)
+  slopes = jnp.broadcast_to(slopes.reshape((B, N) if slopes.ndim == 2 else (1, -1)), (B, N))
+  offset = diagonal_offset(B, T, S, **alignment)
+  distance = jnp.abs(jnp.arange(S)[None, None, :] - jnp.arange(T)[None, :, None] -
+                     offset[:, None, None]).astype(jnp.float32)  # (B, T, S)
+  return -slopes[:, :, None, None] * distance[:, None]
+
+
 def visibility(query_shape, key_shape, mask4=None, *, is_causal=False, local_window_size=None,
                query_seq_lengths=None, key_value_seq_lengths=None, mask_alignment="top_left",
                query_segment_ids=None, key_value_segment_ids=None):
@@ -172,12 +202,7 @@ def visibility(query_shape, key_shape, mask4=None, *, is_causal=False, local_win
            else jnp.asarray(query_seq_lengths, jnp.int32))
   kv_len = (jnp.full((B,), S, jnp.int32) if key_value_seq_lengths is None
             else jnp.asarray(key_value_seq_lengths, jnp.int32))
-  if mask_alignment == "bottom_right":
-    offset = kv_len - q_len
-  elif mask_alignment == "top_left":
-    offset = jnp.zeros((B,), jnp.int32)
-  else:
-    raise ValueError(f"unknown mask_alignment {mask_alignment!r}")
+  offset = diagonal_offset(B, T, S, query_seq_lengths, key_value_seq_lengths, mask_alignment)
   t = jnp.arange(T)[None, :, None]
   s = jnp.arange(S)[None, None, :]
   diagonal = s - t - offset[:, None, None]  # (B, T, S)
@@ -380,7 +405,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                return_residual=False, mask_alignment="top_left", compute_dtype=None,
                precision=None, use_jax_nn=True, tf32=False, dropout_rate=0.0, dropout_rng=None,
                broadcast_dropout=False, logits_soft_cap=None, query_segment_ids=None,
-               key_value_segment_ids=None):
+               key_value_segment_ids=None, alibi_slopes=None):
   """jax.nn.dot_product_attention's semantics with jaxflash's conventions (module docstring).
 
   compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
@@ -389,8 +414,9 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
     dropout or a soft-cap, which jax.nn does not have).
   tf32: round every matmul operand to tf32 (only with use_jax_nn=False).
   dropout_rate, dropout_rng, broadcast_dropout, logits_soft_cap, query_segment_ids,
-    key_value_segment_ids: jaxflash.attention's (jax.nn gets the segment ids as part of its
-    boolean mask).
+    key_value_segment_ids, alibi_slopes: jaxflash.attention's (jax.nn gets the segment ids as
+    part of its boolean mask, and ALiBi as the dense float32 bias alibi_bias builds, added to
+    `bias`).
   """
   assert not (tf32 and use_jax_nn), "tf32 applies to the restated path"
   in_dtype = query.dtype
@@ -406,6 +432,11 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
                                  broadcast_dropout=broadcast_dropout)
     dropout4 = _expand_leading(keep.astype(jnp.float32) / jnp.float32(1.0 - dropout_rate))
   q4, k4, v4, bias4, mask4 = _to_4d(query, key, value, bias, mask)
+  if alibi_slopes is not None:
+    # ALiBi as the dense float32 bias it stands for (added after the soft-cap, with the bias).
+    alibi = alibi_bias(alibi_slopes, q4.shape, k4.shape, query_seq_lengths=query_seq_lengths,
+                       key_value_seq_lengths=key_value_seq_lengths, mask_alignment=mask_alignment)
+    bias4 = alibi if bias4 is None else bias4.astype(jnp.float32) + alibi
   if scale is None:
     scale = 1.0 / math.sqrt(q4.shape[-1])
   masking = dict(is_causal=is_causal, local_window_size=local_window_size,

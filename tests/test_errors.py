@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxflash
+from jaxflash import kernels, validation
 
 B, T, S, N, K, H = 2, 8, 12, 4, 2, 16
 
@@ -112,6 +113,15 @@ ERROR_CASES = {
         dict(query_segment_ids=np.zeros((B, T), np.int32),
              key_value_segment_ids=np.zeros((B, S), bool)),
         r"key_value_segment_ids", [r"bool"]),
+    "alibi_slopes_wrong_heads": (dict(alibi_slopes=_array((N + 1,))), r"alibi_slopes",
+                                 [r"\(5,\)", r"\(4,\)"]),
+    "alibi_slopes_wrong_batch": (dict(alibi_slopes=_array((3, N))), r"alibi_slopes",
+                                 [r"\(3, 4\)", r"\(2, 4\)"]),
+    "alibi_slopes_rank_3": (dict(alibi_slopes=_array((B, N, 1))), r"alibi_slopes",
+                            [r"\(2, 4, 1\)"]),
+    "alibi_slopes_per_kv_head": (dict(alibi_slopes=_array((K,))), r"alibi_slopes",
+                                 [r"\(2,\)", r"\(4,\)"]),
+    "alibi_slopes_int": (dict(alibi_slopes=np.ones((N,), np.int32)), r"alibi_slopes", [r"int32"]),
 }
 
 
@@ -179,6 +189,24 @@ def test_traced_wide_segment_ids_raise(backend):
                                                       key_value_segment_ids=kv_ids))
   with pytest.raises(TypeError, match=r"query_segment_ids must be int32 .*uint32.*astype"):
     fn(jnp.zeros((B, T), jnp.uint32), jnp.zeros((B, S), jnp.uint32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_alibi_slopes_raise(bad, backend):
+  """Concrete slopes are checked for NaN and inf (either would turn whole rows into NaN);
+  traced ones cannot be."""
+  slopes = np.array([0.5, bad, 0.25, 0.125], np.float32)
+  with pytest.raises(ValueError, match=r"alibi_slopes must be finite.*(nan|inf)"):
+    jaxflash.attention(**_valid(), alibi_slopes=slopes)
+
+
+def test_alibi_on_cuda_is_refused_naming_the_argument():
+  """The CUDA kernels have no ALiBi yet: lowering a call with slopes for a GPU raises, naming
+  alibi_slopes, never a kernel that ignores them (checked on the config, so it runs in every
+  build; test_attention checks the lowering itself on a GPU)."""
+  config = validation.validate(**_valid(), alibi_slopes=np.ones((N,), np.float32)).config
+  with pytest.raises(NotImplementedError, match=r"alibi_slopes run on the CPU kernels only"):
+    kernels._check_cuda_call(config)
 
 
 def test_largest_window_equals_no_window(backend):

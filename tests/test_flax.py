@@ -295,6 +295,35 @@ def test_flax_attention_passes_segment_ids(masking, backend, device):
   np.testing.assert_allclose(ours_2[0], expected_2, *reference.SAME_KERNEL_TOL["float32"])
 
 
+@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+def test_flax_attention_passes_alibi_slopes(masking, backend, device):
+  """ALiBi slopes bound with functools.partial are jaxflash.attention's, per head ((N,)) or per
+  batch item and head ((batch..., N), two batch axes merged), whichever kernel call the mask's
+  classification picks; the slopes' gradient flows through the adapter."""
+  if backend == "cuda":
+    pytest.skip("the CUDA kernels have no ALiBi yet (test_attention checks the refusal)")
+  inputs = reference.random_inputs(jax.random.key(7), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
+                                   "float32")
+  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  mask = MASKINGS[masking](nnx)
+  dense = None if mask is None else mask.astype(jnp.bool_)
+  slopes = jax.device_put(jnp.linspace(0.05, 0.8, BATCH * NUM_HEADS).reshape(BATCH, NUM_HEADS),
+                          device)
+  for given in (slopes[0], slopes):
+    ours = jax.jit(lambda q, k, v, s: jaxflash.flax_attention(q, k, v, mask=mask,
+                                                              alibi_slopes=s))(q, k, v, given)
+    expected = jaxflash.attention(q, k, v, mask=dense, alibi_slopes=given)
+    np.testing.assert_allclose(ours, expected, *reference.SAME_KERNEL_TOL["float32"])
+  two_axes = lambda x: x.reshape((1,) + x.shape)  # batch (1, BATCH)
+  loss = lambda s: jnp.sum(jaxflash.flax_attention(two_axes(q), two_axes(k), two_axes(v),
+                                                   alibi_slopes=two_axes(s)) ** 2)
+  expected_loss = lambda s: jnp.sum(jaxflash.attention(q, k, v, alibi_slopes=s) ** 2)
+  np.testing.assert_allclose(jax.grad(loss)(slopes), jax.grad(expected_loss)(slopes),
+                             *reference.SAME_KERNEL_TOL["float32"])
+
+
 def test_nnx_module_trains_with_dropout(device):
   """nnx.MultiHeadAttention with dropout_rate > 0 in training mode: the rngs' dropout stream
   reaches the kernels (two calls draw two masks), gradients are finite, eval mode is the

@@ -69,7 +69,8 @@ def attention_of(names, **static):
 class VmapCase:
   """`operands` maps each positional operand of the attention call (jaxflash.attention's
   argument names) to the shape of the full, batched array (a bool mask for "mask", int32 lengths
-  for *_seq_lengths, int32 ids in {0, 1, 2} for *_segment_ids). `layers` are (in_axes, out_axes) from the innermost vmap outwards."""
+  for *_seq_lengths, int32 ids in {0, 1, 2} for *_segment_ids, float32 slopes in [0.05, 1) for
+  alibi_slopes). `layers` are (in_axes, out_axes) from the innermost vmap outwards."""
   operands: dict
   layers: tuple
   static: dict = dataclasses.field(default_factory=dict)
@@ -92,6 +93,8 @@ class VmapCase:
           arrays.append(jax.random.randint(k, shape, 0, limit + 1, jnp.int32))
         elif name.endswith("segment_ids"):
           arrays.append(jax.random.randint(k, shape, 0, 3, jnp.int32))
+        elif name == "alibi_slopes":
+          arrays.append(jax.random.uniform(k, shape, jnp.float32, 0.05, 1.0))
         else:
           arrays.append(reference.random_inputs(k, {name: shape}, dtype)[name])
       return arrays
@@ -181,26 +184,50 @@ VMAP_CASES = {
         dict(query=(T, H), key=(S, H), value=(S, H), query_segment_ids=(E, T),
              key_value_segment_ids=(E, S)),
         layers=(((None, None, None, 0, 0), 0),)),
+    # ALiBi slopes: one per vmapped head (each single-head call gets a scalar slope), per item of
+    # an extra axis, shared by every item (unbatched: stride 0), or the only batched operand.
+    "heads_alibi": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H), alibi_slopes=(N,)),
+        layers=(((1, 1, 1, 0), 1),), static=dict(is_causal=True, mask_alignment="bottom_right")),
+    "extra_leading_axis_4d_alibi": VmapCase(
+        dict(query=(E, B, T, N, H), key=(E, B, S, 2, H), value=(E, B, S, 2, H),
+             alibi_slopes=(E, B, N)),
+        layers=((0, 0),), static=dict(return_residual=True)),
+    "extra_leading_axis_4d_shared_alibi": VmapCase(
+        dict(query=(E, B, T, N, H), key=(E, B, S, 2, H), value=(E, B, S, 2, H),
+             alibi_slopes=(N,)),
+        layers=(((0, 0, 0, None), 0),), static=dict(local_window_size=(7, 3))),
+    "only_alibi_batched": VmapCase(
+        dict(query=(T, H), key=(S, H), value=(S, H), alibi_slopes=(E,)),
+        layers=(((None, None, None, 0), 0),)),
 }
 
 # Configurations in which every operand is batched, so vmap-of-grad can map the gradients back
 # onto the operands' own axes.
 FULLY_BATCHED = ("heads_axis1", "heads_then_batch", "batch_then_heads_axis2", "heads_axis0_BNTH",
                  "mixed_axes", "extra_leading_axis_4d", "heads_causal_window_residual",
-                 "extra_leading_axis_4d_segment_ids")
+                 "extra_leading_axis_4d_segment_ids", "heads_alibi", "extra_leading_axis_4d_alibi")
 # Forward-only configurations whose compiled HLO must be a single kernel without layout copies.
 HLO_FORWARD = ("heads_axis1", "heads_axis_minus2", "heads_then_batch", "batch_then_heads_axis2",
                "heads_axis0_BNTH", "mixed_axes", "kv_unbatched_mqa",
                "kv_shared_over_heads_then_batch", "shared_bias_and_mask", "extra_leading_axis_4d",
-               "extra_leading_axis_4d_segment_ids", "heads_shared_segment_ids")
+               "extra_leading_axis_4d_segment_ids", "heads_shared_segment_ids", "heads_alibi",
+               "extra_leading_axis_4d_shared_alibi")
 HLO_GRAD = ("heads_axis1", "heads_then_batch", "kv_unbatched_mqa", "shared_bias_and_mask",
-            "only_bias_batched", "extra_leading_axis_4d", "extra_leading_axis_4d_segment_ids")
+            "only_bias_batched", "extra_leading_axis_4d", "extra_leading_axis_4d_segment_ids",
+            "extra_leading_axis_4d_alibi", "only_alibi_batched")
 # Configurations with an operand whose feature axis is not minor-most (value vmapped on an axis
 # after its head dim). The CUDA kernels need a unit feature stride, so the CUDA lowering asks
 # XLA for a layout with that axis minor-most: a transpose of that operand, on CUDA only.
 COL_NOT_MINOR = ("mixed_axes",)
 
 VMAP_DTYPES = ("float32", "bfloat16")
+
+
+def skip_where_not_in_kernels(case: VmapCase, backend: str):
+  """ALiBi is in the CPU kernels only so far (test_attention checks the CUDA refusal)."""
+  if backend == "cuda" and "alibi_slopes" in case.operands:
+    pytest.skip("the CUDA kernels have no ALiBi yet")
 
 
 def weighted_sum_loss(fn, cotangent):
@@ -339,7 +366,7 @@ def kernel_calls(q, k, v):
                                             config=config)
   grad_layouts = {"d_o": config.layout("o"), "delta": config.layout("lse"),
                   "dq": config.layout("q"), "dk": config.layout("k"), "dv": config.layout("v")}
-  dq, dk, dv, _, _ = kernels.backward_kernel_p.bind(
+  dq, dk, dv, *_ = kernels.backward_kernel_p.bind(
       q, k, v, *(absent(s, q.dtype) for s in OPTIONAL), lse, lse, o,
       config=config.with_layouts(grad_layouts))
   return o, lse, dq, dk, dv

@@ -4,6 +4,7 @@
 //   P  = exp(logits - lse)          recomputed tile by tile from q, k and lse
 //   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse (an input)
 //   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
+//   dalibi[t] = -Σ_s dS·|s - t - offset|   (ALiBi: the slope's gradient, per query row)
 //
 // With dropout (keep mask Z, regenerated from the seed, kept entries scaled by
 // c = 1 / (1 - rate)) the output used P∘Z·c, so dV = c·(P∘Z)ᵀ·dO and dP is
@@ -11,7 +12,7 @@
 //
 // Pass A runs K/V tiles outer and owns dK, dV; it loops, inside one task, over
 // the instance axes dK/dV do not vary along (the query heads of a GQA group, an
-// axis K/V are shared over). Pass B runs Q tiles outer and owns dQ and dbias; it
+// axis K/V are shared over). Pass B runs Q tiles outer and owns dQ, dbias and dalibi; it
 // loops inside one task over the axes dbias is broadcast along (and over all Q
 // tiles when the bias has a single row), so those sums need no atomics either.
 // Pass B recomputes P and dP; on a CPU that costs less than a T×S buffer.
@@ -146,7 +147,7 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
              p.dv.row_stride, p.dv.col_stride);
 }
 
-// Pass B: dQ for the Q tiles of one task, and their share of dbias.
+// Pass B: dQ for the Q tiles of one task, their share of dbias, and their rows of dalibi.
 template <class T, class BiasT>
 JAXFLASH_CPU_TASK
 void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segments, const InstanceSplit& split,
@@ -163,6 +164,8 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
   std::vector<float> kt(H * kBlockK), vt(H * kBlockK), k(kBlockK * Hp);
   std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * Hp);
   std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
+  const bool want_dalibi = p.has(kHasDalibi);
+  float dalibi[kBlockQ], distance[kBlockK];
   QTile tile(H);
 
   const int64_t reduced_count = split.count(true);
@@ -170,6 +173,7 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
     const int64_t inst = split.compose(kept, r);
     const InstanceBounds bounds = instance_bounds(p, inst);
     const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
+    float* dalibi_out = want_dalibi ? mutable_element<float>(p.dalibi, instance_offset(p, p.dalibi, inst)) : nullptr;
     const DropoutKey dropout = dropout_key(p, inst);
     const T* k_base = element<T>(p.k, instance_offset(p, p.k, inst));
     const T* v_base = element<T>(p.v, instance_offset(p, p.v, inst));
@@ -179,6 +183,7 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
       const int64_t live_rows = std::clamp<int64_t>(bounds.q_len - t0, 0, rows);
       const KeyRange keys = visible_keys(p, bounds, t0, t0 + rows);
       std::fill(dq.begin(), dq.end(), 0.f);
+      std::fill(dalibi, dalibi + kBlockQ, 0.f);
       if (live_rows > 0 && keys.lo < keys.hi) {
         load_q_tile<T>(p, inst, t0, live_rows, tile);
         for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
@@ -198,6 +203,15 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
               for (int64_t j = 0; j < cols; ++j) row[dbias_one_col ? 0 : s0 + j] += dsi[j];
             }
           }
+          if (want_dalibi) {  // dS of the logits, as dbias takes it: ALiBi is added after the cap
+            for (int64_t i = 0; i < live_rows; ++i) {
+              alibi_distances(bounds, t0 + i, s0, cols, distance);
+              const float* dsi = ds.data() + i * kBlockK;
+              float sum = 0.f;
+              for (int64_t j = 0; j < cols; ++j) sum += dsi[j] * distance[j];
+              dalibi[i] -= sum;
+            }
+          }
           apply_cap_slope(p, live_rows, cols, cap_slope.data(), ds.data());
           matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
         }
@@ -205,6 +219,8 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
       store_tile(dq.data(), Hp, rows, H, p.scale,
                  mutable_element<T>(p.dq, instance_offset(p, p.dq, inst) + t0 * p.dq.row_stride),
                  p.dq.row_stride, p.dq.col_stride);
+      if (want_dalibi)
+        for (int64_t i = 0; i < rows; ++i) dalibi_out[(t0 + i) * p.dalibi.row_stride] = dalibi[i];
     }
   }
   if (!want_dbias) return;

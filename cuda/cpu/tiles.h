@@ -259,6 +259,7 @@ struct LogitsInputs {
   const BiasT* bias = nullptr;   // instance base, or null
   const uint8_t* mask = nullptr; // instance base, or null
   SegmentIds segments;           // without segment ids: null bases
+  float alibi_slope = 0.f;       // log2e * the instance's ALiBi slope (base-2 logits); 0: none
 };
 
 template <class BiasT>
@@ -267,6 +268,7 @@ LogitsInputs<BiasT> logits_inputs(const AttentionParams& p, int64_t inst) {
   if (p.has(kHasBias)) in.bias = element<BiasT>(p.bias, instance_offset(p, p.bias, inst));
   if (p.has(kHasMask)) in.mask = element<uint8_t>(p.mask, instance_offset(p, p.mask, inst));
   in.segments = segment_ids(p, inst);
+  in.alibi_slope = kLog2e * alibi_slope(p, inst);
   return in;
 }
 
@@ -282,9 +284,18 @@ inline bool one_segment(const SegmentIds& ids, int64_t t0, int64_t rows, int64_t
   return true;
 }
 
+// The ALiBi distances |s - t - offset| of row t, keys [s0, s0+cols) (params.h, alibi_slope), as
+// floats: exact below 2^24, which is what the float logits can resolve anyway. Vectorised:
+// the row's distance at s0 plus j, then its absolute value.
+inline void alibi_distances(const InstanceBounds& b, int64_t t, int64_t s0, int64_t cols, float* distance) {
+  const float first = static_cast<float>(s0 - t - b.offset);
+  for (int64_t j = 0; j < cols; ++j) distance[j] = std::fabs(first + static_cast<float>(j));
+}
+
 // Turns S = (scale·log2e)·Q·Kᵀ for rows [t0, t0+rows) and keys [s0, s0+cols)
 // into base-2 logits: soft-caps them (params.h: c·tanh(S / c), c = log2e·cap in
-// these units), adds log2e·bias and sets invisible entries to -inf. cap_slope
+// these units), adds log2e·bias and -log2e·slope·|s - t - offset| (ALiBi, after the cap as
+// FlashAttention adds it) and sets invisible entries to -inf. cap_slope
 // (the backward's, with a soft-cap): receives d(capped)/dS = 1 - tanh^2, by which
 // the backward turns dS of the logits into dS of Q·Kᵀ.
 template <class BiasT>
@@ -299,6 +310,14 @@ void finish_logits(const AttentionParams& p, const InstanceBounds& b, const Logi
     for (int64_t i = 0; i < rows; ++i) {
       const BiasT* row = in.bias + (t0 + i) * p.bias.row_stride + s0 * p.bias.col_stride;
       for (int64_t j = 0; j < cols; ++j) s[i * ld + j] += kLog2e * to_float(row[j * p.bias.col_stride]);
+    }
+  }
+  if (in.alibi_slope != 0.f) {
+    float distance[kBlockK];
+    for (int64_t i = 0; i < rows; ++i) {
+      alibi_distances(b, t0 + i, s0, cols, distance);
+      float* si = s + i * ld;
+      for (int64_t j = 0; j < cols; ++j) si[j] -= in.alibi_slope * distance[j];
     }
   }
   // Tiles wholly inside the window and the lengths need no element test.

@@ -26,16 +26,27 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
+// The CUDA kernels have no ALiBi yet (params.h); Python refuses alibi_slopes when it lowers for
+// CUDA, this for any other caller, so that no kernel ignores them.
+ffi::Error refuse_alibi(const AttentionParams& p) {
+  if (p.has(kHasAlibi))
+    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no ALiBi (alibi_slopes) yet");
+  return ffi::Error::Success();
+}
+
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                        ffi::AnyBuffer alibi_slopes,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_forward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids}, *o,
-                              *lse, attrs);
+  if (auto e = decode_forward(
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, *o, *lse,
+          attrs);
       e.failure())
     return e;
+  if (auto e = refuse_alibi(p); e.failure()) return e;
   const int64_t needed = gpu::forward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim,
                                                       p.dtype, p.has(kHasSegmentIds));
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)
@@ -46,15 +57,19 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                          ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                         ffi::AnyBuffer alibi_slopes,
                          ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                         ffi::Result<ffi::AnyBuffer> dalibi,
                          ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
-  if (auto e = decode_backward(p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids}, lse,
-                               delta, d_o, *dq, *dk, *dv, *dbias, attrs);
+  if (auto e = decode_backward(
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, lse, delta,
+          d_o, *dq, *dk, *dv, *dbias, *dalibi, attrs);
       e.failure())
     return e;
+  if (auto e = refuse_alibi(p); e.failure()) return e;
   const int64_t needed = gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim,
                                                        p.dtype, p.has(kHasSegmentIds));
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)

@@ -31,13 +31,14 @@ namespace ffi = xla::ffi;
 // Slot order of the "strides" attribute; jaxflash/contract.py lists the same (SLOTS).
 enum Slot : int {
   kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed,
-  kQSegmentIds, kKvSegmentIds, kSlots
+  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kSlots
 };
 
 inline const char* slot_name(int slot) {
   static const char* names[kSlots] = {"q",    "k",     "v",    "bias", "mask",          "q_lens",
                                       "kv_lens", "o",   "lse",  "d_o",  "delta",         "dq",
-                                      "dk",   "dv",    "dbias", "seed", "q_segment_ids", "kv_segment_ids"};
+                                      "dk",   "dv",    "dbias", "seed", "q_segment_ids", "kv_segment_ids",
+                                      "alibi_slopes", "dalibi"};
   return names[slot];
 }
 
@@ -87,7 +88,8 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
 
   ArrayView* views[kSlots] = {&p.q,    &p.k,     &p.v,    &p.bias, &p.mask,          &p.q_lens,
                               &p.kv_lens, &p.o,   &p.lse,  &p.d_o,  &p.delta,         &p.dq,
-                              &p.dk,   &p.dv,    &p.dbias, &p.seed, &p.q_segment_ids, &p.kv_segment_ids};
+                              &p.dk,   &p.dv,    &p.dbias, &p.seed, &p.q_segment_ids, &p.kv_segment_ids,
+                              &p.alibi_slopes, &p.dalibi};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -103,8 +105,8 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
 inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64_t& cols) {
   switch (slot) {
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
-    case kLse: case kDelta: rows = p.seqlen_q; cols = 1; return;
-    case kQLens: case kKvLens: rows = 1; cols = 1; return;
+    case kLse: case kDelta: case kDalibi: rows = p.seqlen_q; cols = 1; return;
+    case kQLens: case kKvLens: case kAlibiSlopes: rows = 1; cols = 1; return;
     case kSeed: rows = 1; cols = 2; return;
     case kQSegmentIds: rows = p.seqlen_q; cols = 1; return;
     case kKvSegmentIds: rows = p.seqlen_k; cols = 1; return;
@@ -161,11 +163,12 @@ ffi::Error attach_optional(const AttentionParams& p, int64_t flag, int slot, Arr
   return attach(p, slot, view, buffer, expected_type);
 }
 
-// Decodes the operands every direction shares: q, k, v, bias, mask, lengths, seed, segment ids.
+// Decodes the operands every direction shares: q, k, v, bias, mask, lengths, seed, segment ids,
+// ALiBi slopes.
 inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                                 ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
                                 ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& q_segment_ids,
-                                ffi::AnyBuffer& kv_segment_ids) {
+                                ffi::AnyBuffer& kv_segment_ids, ffi::AnyBuffer& alibi_slopes) {
   if (auto e = decode_dtype(q.element_type(), p.dtype, "q"); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   p.bias_dtype = p.dtype;
@@ -186,16 +189,22 @@ inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyB
   if (auto e = attach_optional(p, kHasSegmentIds, kQSegmentIds, p.q_segment_ids, q_segment_ids, ffi::DataType::S32);
       e.failure())
     return e;
-  return attach_optional(p, kHasSegmentIds, kKvSegmentIds, p.kv_segment_ids, kv_segment_ids, ffi::DataType::S32);
+  if (auto e = attach_optional(p, kHasSegmentIds, kKvSegmentIds, p.kv_segment_ids, kv_segment_ids,
+                               ffi::DataType::S32);
+      e.failure())
+    return e;
+  return attach_optional(p, kHasAlibi, kAlibiSlopes, p.alibi_slopes, alibi_slopes, ffi::DataType::F32);
 }
 
-// The backward's outputs must have one writer per element: dq may not be
+// The backward's outputs must have one writer per element: dq and dalibi may not be
 // shared along any instance axis, and dk, dv must be shared along the same ones
 // (the axes the K/V-outer pass reduces over).
 inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
   for (int d = 0; d < p.num_inst_dims; ++d) {
     if (p.inst_size[d] == 1) continue;
     if (p.dq.inst_stride[d] == 0) return ffi::Error::InvalidArgument("jaxflash: dq is broadcast along an instance axis");
+    if (p.has(kHasDalibi) && p.dalibi.inst_stride[d] == 0)
+      return ffi::Error::InvalidArgument("jaxflash: dalibi is broadcast along an instance axis");
     if ((p.dk.inst_stride[d] == 0) != (p.dv.inst_stride[d] == 0))
       return ffi::Error::InvalidArgument("jaxflash: dk and dv must be broadcast along the same instance axes");
   }
@@ -205,14 +214,14 @@ inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
 // The whole decode of each direction, shared by the CPU and CUDA handlers.
 // The operands every direction takes first (bind_inputs).
 struct Inputs {
-  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids;
+  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes;
 };
 
 // The layout, then the shared operands.
 inline ffi::Error decode_inputs(AttentionParams& p, Inputs& in, const LayoutAttrs& attrs) {
   if (auto e = decode_layout(attrs, p); e.failure()) return e;
   return attach_inputs(p, in.q, in.k, in.v, in.bias, in.mask, in.q_lens, in.kv_lens, in.seed, in.q_segment_ids,
-                       in.kv_segment_ids);
+                       in.kv_segment_ids, in.alibi_slopes);
 }
 
 inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& o, ffi::AnyBuffer& lse,
@@ -225,7 +234,7 @@ inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& 
 
 inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
                                   ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
-                                  ffi::AnyBuffer& dbias, const LayoutAttrs& attrs) {
+                                  ffi::AnyBuffer& dbias, ffi::AnyBuffer& dalibi, const LayoutAttrs& attrs) {
   if (auto e = decode_inputs(p, in, attrs); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
@@ -236,16 +245,21 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
   if (auto e = attach(p, kDv, p.dv, dv, t); e.failure()) return e;
   if (auto e = attach_optional(p, kHasDbias, kDbias, p.dbias, dbias, ffi_type(p.bias_dtype)); e.failure())
     return e;
+  if (p.has(kHasDalibi) && !p.has(kHasAlibi))
+    return ffi::Error::InvalidArgument("jaxflash: dalibi asked for without alibi_slopes");
+  if (auto e = attach_optional(p, kHasDalibi, kDalibi, p.dalibi, dalibi, ffi::DataType::F32); e.failure())
+    return e;
   return check_gradient_layouts(p);
 }
 
 // The FFI signatures, after each platform's context (thread pool or stream).
 // Forward: inputs, then results o, lse, workspace. Backward: inputs, lse, delta,
-// d_o, then results dq, dk, dv, dbias, workspace. Both end with the layout attributes.
+// d_o, then results dq, dk, dv, dbias, dalibi, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
-auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids
+auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids, slopes
   return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
@@ -280,6 +294,7 @@ auto bind_backward(Binding&& binding) {
                              .template Ret<ffi::AnyBuffer>()   // dk
                              .template Ret<ffi::AnyBuffer>()   // dv
                              .template Ret<ffi::AnyBuffer>()   // dbias
+                             .template Ret<ffi::AnyBuffer>()   // dalibi
                              .template Ret<ffi::AnyBuffer>());  // workspace
 }
 

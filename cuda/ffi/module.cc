@@ -36,6 +36,8 @@ nb::dict contract() {
   flags["EXACT_F32"] = static_cast<int64_t>(kExactF32);
   flags["DROPOUT"] = static_cast<int64_t>(kDropout);
   flags["HAS_SEGMENT_IDS"] = static_cast<int64_t>(kHasSegmentIds);
+  flags["HAS_ALIBI"] = static_cast<int64_t>(kHasAlibi);
+  flags["HAS_DALIBI"] = static_cast<int64_t>(kHasDalibi);
   nb::dict dtypes;
   dtypes["float32"] = static_cast<int32_t>(DType::kF32);
   dtypes["float16"] = static_cast<int32_t>(DType::kF16);
