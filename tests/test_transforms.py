@@ -277,6 +277,7 @@ def small_inputs(seed: int, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_vmap_matches_loop(name, dtype, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(1, dtype)
   batched = jax.jit(case.build(jax.vmap))(*operands)
@@ -298,6 +299,7 @@ def test_vmap_over_heads_equals_multi_head_call(backend):
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_grad_of_vmap_matches_loop(name, dtype, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(3, dtype)
   batched_fn, looped_fn = case.build(jax.vmap), case.build(loop_vmap)
@@ -314,6 +316,7 @@ def test_grad_of_vmap_matches_loop(name, dtype, backend):
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", FULLY_BATCHED)
 def test_vmap_of_grad_matches_loop(name, dtype, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(5, dtype)
   item_fn = attention_of(tuple(case.operands), **case.static)
@@ -394,6 +397,7 @@ def test_kernel_primitives_batch_without_the_rest_of_the_package():
 
 @pytest.mark.parametrize("name", HLO_FORWARD)
 def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(7, "bfloat16")
   hlo = reference.compiled_hlo(case.build(jax.vmap), *operands)
@@ -410,6 +414,7 @@ def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
 
 @pytest.mark.parametrize("name", HLO_GRAD)
 def test_vmapped_grad_compiles_to_one_forward_and_one_backward_kernel(name, backend):
+  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
   operands = case.inputs(8, "bfloat16")
   fn = case.build(jax.vmap)
