@@ -7,7 +7,8 @@ process. bf16, 16 heads of dim 128 (hidden 2048), median of --repeats.
   packed / separate (bar ≥ 0.9) and packed / dense mask (bar ≥ 5).
 - Soft-cap and ALiBi: FlashAttention's protocol (--tokens tokens per call) with
   `logits_soft_cap` / `alibi_slopes` against the same call without (bar: cost ≤ 10%, i.e. a
-  ratio ≥ 0.9). A modifier the backend's kernels refuse is printed as such.
+  ratio ≥ 0.9). A call the backend cannot run shows its error's name (NotImplementedError: a
+  modifier its kernels do not have).
 
   python benchmarks/score_modifiers.py [--docs 16] [--doc-len 1024] [--seqlens 4096,16384]
 """
@@ -22,30 +23,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxflash
-from jaxflash.bench import attention_flops, footprint_bytes, inputs, median_seconds
+from jaxflash.bench import attention_flops, inputs, measure
 
 HEADS, HEAD_DIM = 16, 128
-
-
-def compiled(attention, backward: bool):
-  """jit of attention(q, k, v, *extra), or of its gradient in q, k and v; `extra` (ids, a mask)
-  are arguments, not constants folded into the program."""
-  if backward:
-    def loss(q, k, v, *extra):
-      return jnp.sum(attention(q, k, v, *extra).astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  return jax.jit(attention)
-
-
-def timed(attention, args, backward, repeats):
-  """(seconds, footprint bytes), or (why it cannot run, None)."""
-  fn = compiled(attention, backward)
-  try:
-    return median_seconds(fn, args, repeats), footprint_bytes(fn, args)
-  except NotImplementedError:  # a modifier the backend's kernels do not have
-    return "refused", None
-  except Exception as e:  # noqa: BLE001 - out of memory
-    return type(e).__name__, None
 
 
 def packing_rows(docs, doc_len, repeats):
@@ -56,11 +36,11 @@ def packing_rows(docs, doc_len, repeats):
   q_ids, kv_ids = jaxflash.segment_ids_from_lengths(jnp.full((1, docs), doc_len), total)
   dense = (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
   ways = {
-      "separate rows": (lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True), separate),
-      "segment ids": (lambda q, k, v, qi, ki: jaxflash.attention(
-          q, k, v, is_causal=True, query_segment_ids=qi, key_value_segment_ids=ki),
+      "separate rows": (jaxflash.attention, separate),
+      "segment ids": (lambda q, k, v, qi, ki, is_causal: jaxflash.attention(
+          q, k, v, is_causal=is_causal, query_segment_ids=qi, key_value_segment_ids=ki),
                       packed + (q_ids, kv_ids)),
-      "dense mask": (lambda q, k, v, m: jaxflash.attention(q, k, v, mask=m, is_causal=True),
+      "dense mask": (lambda q, k, v, m, is_causal: jaxflash.attention(q, k, v, mask=m, is_causal=is_causal),
                      packed + (dense,)),
   }
   lines = ["| direction | " + " | ".join(f"{w} tokens/s" for w in ways) +
@@ -69,7 +49,7 @@ def packing_rows(docs, doc_len, repeats):
   print(f"\n{docs} documents of {doc_len} tokens, causal, bf16, {HEADS} heads x {HEAD_DIM}")
   print("\n".join(lines), flush=True)
   for backward in (False, True):
-    results = {w: timed(fn, args, backward, repeats) for w, (fn, args) in ways.items()}
+    results = {w: measure(fn, args, backward, True, repeats) for w, (fn, args) in ways.items()}
     rate = {w: total / t if isinstance(t, float) else None for w, (t, _) in results.items()}
     ratio = lambda a, b: f"{rate[a] / rate[b]:.2f}" if rate[a] and rate[b] else "-"
     cells = ["fwd+bwd" if backward else "fwd"]
@@ -97,12 +77,12 @@ def modifier_rows(tokens, seqlens, soft_cap, repeats):
     for causal in (False, True):
       for backward in (False, True):
         flops = attention_flops(batch, n, HEADS, HEAD_DIM, causal=causal, backward=backward)
-        call = lambda **options: functools.partial(jaxflash.attention, is_causal=causal, **options)
-        plain, _ = timed(call(), qkv, backward, repeats)
+        call = lambda **options: functools.partial(jaxflash.attention, **options)
+        plain, _ = measure(call(), qkv, backward, causal, repeats)
         cells = [str(n), "yes" if causal else "no", "fwd+bwd" if backward else "fwd",
                  f"{flops / plain / 1e12:.3g}" if isinstance(plain, float) else plain]
         for options in modifiers.values():
-          t, _ = timed(call(**options), qkv, backward, repeats)
+          t, _ = measure(call(**options), qkv, backward, causal, repeats)
           cells += ([f"{flops / t / 1e12:.3g}", f"{plain / t:.2f}"]
                     if isinstance(t, float) and isinstance(plain, float) else [t, "-"])
         lines.append("| " + " | ".join(cells) + " |")

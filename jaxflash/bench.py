@@ -78,11 +78,13 @@ def paths() -> dict:
 
 
 def compiled(attention, backward: bool, causal: bool):
+  """jit of attention(q, k, v, *extra, is_causal=causal), or of its gradient in q, k and v;
+  `extra` (segment ids, a mask) are arguments, not constants folded into the program."""
   if backward:
-    def loss(q, k, v):
-      return jnp.sum(attention(q, k, v, is_causal=causal).astype(jnp.float32))
+    def loss(q, k, v, *extra):
+      return jnp.sum(attention(q, k, v, *extra, is_causal=causal).astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  return jax.jit(lambda q, k, v: attention(q, k, v, is_causal=causal))
+  return jax.jit(lambda q, k, v, *extra: attention(q, k, v, *extra, is_causal=causal))
 
 
 def measure(attention, args, backward, causal, repeats):

@@ -46,7 +46,7 @@ from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, FORWARD_INPUTS
 from jaxflash.layout import COL, ROW, Axis, role_axis
 
 # The kernels' workspaces stay inside the partition.
-OUTPUTS = FORWARD_RESULTS[:2]
+OUTPUTS = FORWARD_RESULTS[:-1]
 GRADIENTS = BACKWARD_RESULTS[:-1]
 
 # The factor of each slot's COL axis (the seed's COL axis, its two words, has none: never

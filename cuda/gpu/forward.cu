@@ -118,6 +118,19 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   return cudaSuccess;
 }
 
+// Calls f(std::integral_constant<int, D>{}) for the head dim D the kernels are compiled for
+// that covers head_dim (the next of 32, 64, 96, 128, 192, 256), and returns its result: the
+// launch and the segment ids' tables pick the same instantiation.
+template <class F>
+auto with_padded_head_dim(int64_t head_dim, F&& f) {
+  if (head_dim <= 32) return f(std::integral_constant<int, 32>{});
+  if (head_dim <= 64) return f(std::integral_constant<int, 64>{});
+  if (head_dim <= 96) return f(std::integral_constant<int, 96>{});
+  if (head_dim <= 128) return f(std::integral_constant<int, 128>{});
+  if (head_dim <= 192) return f(std::integral_constant<int, 192>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
 // The general variant's tiles (kernel_traits.h's FwdConfig) at the padded head dim the
 // dispatch below picks: segment ids run there only, so their tables use these tiles.
 struct GeneralTiles {
@@ -125,16 +138,10 @@ struct GeneralTiles {
 };
 template <int kElemBytes>
 GeneralTiles general_tiles(int64_t head_dim) {
-  auto at = [](auto d) {
+  return with_padded_head_dim(head_dim, [](auto d) {
     using Tiles = FwdTileSize<kElemBytes, decltype(d)::value, true>;
     return GeneralTiles{Tiles::kBlockM, Tiles::kBlockN};
-  };
-  if (head_dim <= 32) return at(std::integral_constant<int, 32>{});
-  if (head_dim <= 64) return at(std::integral_constant<int, 64>{});
-  if (head_dim <= 96) return at(std::integral_constant<int, 96>{});
-  if (head_dim <= 128) return at(std::integral_constant<int, 128>{});
-  if (head_dim <= 192) return at(std::integral_constant<int, 192>{});
-  return at(std::integral_constant<int, 256>{});
+  });
 }
 GeneralTiles general_tiles(int64_t head_dim, DType dtype) {
   return dtype_bytes(dtype) == 4 ? general_tiles<4>(head_dim) : general_tiles<2>(head_dim);
@@ -142,13 +149,8 @@ GeneralTiles general_tiles(int64_t head_dim, DType dtype) {
 
 template <class T, F32Mma M = F32Mma::kTf32>
 cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
-  const int64_t h = p.head_dim;
-  if (h <= 32) return launch_forward_instance<T, 32, M>(p, rt, stream);
-  if (h <= 64) return launch_forward_instance<T, 64, M>(p, rt, stream);
-  if (h <= 96) return launch_forward_instance<T, 96, M>(p, rt, stream);
-  if (h <= 128) return launch_forward_instance<T, 128, M>(p, rt, stream);
-  if (h <= 192) return launch_forward_instance<T, 192, M>(p, rt, stream);
-  return launch_forward_instance<T, 256, M>(p, rt, stream);
+  return with_padded_head_dim(p.head_dim,
+                              [&](auto d) { return launch_forward_instance<T, decltype(d)::value, M>(p, rt, stream); });
 }
 
 }  // namespace

@@ -53,12 +53,11 @@ inline cudaError_t launch_segment_tile_ranges(const AttentionParams& p, int q_ro
   if (scratch == nullptr || p.q_segment_ids.data == nullptr || p.kv_segment_ids.data == nullptr)
     return cudaErrorInvalidValue;
   const int64_t instances = p.num_instances();
-  tiles.q_tiles = (p.seqlen_q + q_rows - 1) / q_rows;
-  tiles.k_tiles = (p.seqlen_k + k_rows - 1) / k_rows;
+  tiles.q_tiles = segment_tile_count(p.seqlen_q, q_rows);
+  tiles.k_tiles = segment_tile_count(p.seqlen_k, k_rows);
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 255) / 256 * 256);
   IdRange* q = reinterpret_cast<IdRange*>(base);
-  IdRange* k = reinterpret_cast<IdRange*>(
-      base + (instances * tiles.q_tiles * int64_t{sizeof(IdRange)} + 255) / 256 * 256);
+  IdRange* k = reinterpret_cast<IdRange*>(base + segment_table_bytes(instances, tiles.q_tiles));
   tiles.q = q, tiles.k = k;
   const int64_t q_blocks = (instances * tiles.q_tiles + kSegmentWarps - 1) / kSegmentWarps;
   const int64_t k_blocks = (instances * tiles.k_tiles + kSegmentWarps - 1) / kSegmentWarps;

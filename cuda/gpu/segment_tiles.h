@@ -44,15 +44,22 @@ struct SegmentTiles {
   }
 };
 
-// The scratch the two tables take (every table 256-byte aligned inside a buffer of any
+// The tiles of `rows` rows that cover `length` positions.
+inline int64_t segment_tile_count(int64_t length, int rows) { return (length + rows - 1) / rows; }
+
+// The bytes one table of `tiles` tiles per instance takes, rounded up to 256 so that the next
+// table starts 256-byte aligned (launch_segment_tile_ranges lays them out so).
+inline int64_t segment_table_bytes(int64_t instances, int64_t tiles) {
+  return (instances * tiles * int64_t{sizeof(IdRange)} + 255) / 256 * 256;
+}
+
+// The scratch the two tables take (the first 256-byte aligned inside a buffer of any
 // alignment, hence 256 bytes of slack); 0 without segment ids.
 inline int64_t segment_tiles_bytes(bool has_segment_ids, int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
                                    int q_rows, int k_rows) {
   if (!has_segment_ids) return 0;
-  auto table = [&](int64_t length, int rows) {
-    return ((instances * ((length + rows - 1) / rows) * int64_t{sizeof(IdRange)}) + 255) / 256 * 256;
-  };
-  return 256 + table(seqlen_q, q_rows) + table(seqlen_k, k_rows);
+  return 256 + segment_table_bytes(instances, segment_tile_count(seqlen_q, q_rows)) +
+         segment_table_bytes(instances, segment_tile_count(seqlen_k, k_rows));
 }
 
 }  // namespace jaxflash::gpu
