@@ -31,7 +31,8 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 }
 
 // One operand seen as [instance..., row, col], strides in elements.
-//   q, k, v, o, d_o, dq, dk, dv : row = sequence position, col = feature (head dim)
+//   q, k, v, o, d_o, dq, dk, dv : row = sequence position, col = feature (head dim: head_dim
+//                                 for q, k, dq, dk; value_head_dim for v, o, d_o, dv)
 //   bias, mask, dbias           : row = query position,    col = key position
 //   lse                         : row = query position,    col = hi, lo (2 floats; below)
 //   delta                       : row = query position,    col unused
@@ -40,6 +41,8 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   q_segment_ids, kv_segment_ids : row = query / key position, no cols
 //   alibi_slopes                  : instance strides only (one slope per query head)
 //   dalibi                        : row = query position, col unused
+//   dscale                        : row = key position, col unused
+//   scale_operand                 : instance strides only (one scale per instance)
 // data == nullptr means the operand is absent.
 struct ArrayView {
   void* data = nullptr;
@@ -69,6 +72,13 @@ enum Flags : int64_t {
   // alibi_slopes: the logits get -slope * |s - t - offset| (alibi_slope below).
   kHasAlibi = 1 << 11,
   kHasDalibi = 1 << 12,  // backward: write dalibi (needs kHasAlibi)
+  // The scale is the float32 scale operand's value for the instance (instance_scale below),
+  // read when the kernel runs (a traced scale; AttentionParams::scale is then unused), and the
+  // backward writes dq in float32 and without the scale factor: the gradient g of the scaled
+  // query scale·q, from which jaxflash/attention.py forms dq = scale·g, rounded once to the
+  // input dtype (the scale's own gradient is dscale's, below).
+  kScaleOperand = 1 << 13,
+  kHasDscale = 1 << 14,  // backward: write dscale (needs kScaleOperand)
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -94,9 +104,15 @@ struct AttentionParams {
 
   int64_t seqlen_q = 0;  // T
   int64_t seqlen_k = 0;  // S
-  int64_t head_dim = 0;  // H (q, k and v share it, as in jax.nn)
+  int64_t head_dim = 0;  // H: the features of q and k (and dq, dk)
+  // Hv: the features of v, and so of o, d_o and dv. jax.nn has Hv = H; the CPU kernels take any
+  // Hv (MLA-style (192, 128) heads), the CUDA handlers refuse Hv != H (cuda_handlers.cu).
+  int64_t value_head_dim = 0;
 
-  float scale = 1.f;  // logits = scale * q.k + bias
+  float scale = 1.f;  // logits = scale * q.k + bias (without kScaleOperand: instance_scale)
+  // With kScaleOperand (a traced scale): float32, one scale per instance, stride 0 along the
+  // axes it is shared by (vmap gives each mapped item its own; instance_scale below).
+  ArrayView scale_operand;
 
   // Key s is visible from query t iff  -window_left <= s - t - offset <= window_right,
   // offset = diagonal_offset + (0 (top-left, jax.nn) or kv_len - q_len (bottom-right));
@@ -146,6 +162,16 @@ struct AttentionParams {
   // sums it over the rows (and the axes the slopes are broadcast along). Per row, so that
   // each element has one writer and the sum needs no atomics or tile-size contract.
   ArrayView dalibi;
+  // dscale (kHasDscale): float32, laid out as dk without its features (dk's instance strides, a
+  // row per key): partial sums of a traced scale's gradient Σ dS·(q·k), dS the gradient of the
+  // scaled product scale·q·k (the soft-cap's slope included) and q·k unscaled, over the queries
+  // and the instances that dk sums over. Only the sum over the rows is defined: the CPU kernels
+  // write each key's own sum, the CUDA kernels a key tile's sum in its first row and 0 in the
+  // others. Python sums it (and over the axes the scale is shared along). Formed in the
+  // kernels because both factors are float32 there: the same sum from dq (Σ q∘dq) carries the
+  // CUDA kernels' rounding of dS to the input dtype before dS·K, which this sum, cancelling
+  // heavily (each row of dS sums to 0), amplifies past jax.nn's error.
+  ArrayView dscale;
 
   JF_HOST_DEVICE bool has(int64_t flag) const { return (flags & flag) != 0; }
 
@@ -218,6 +244,12 @@ JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t 
 JF_HOST_DEVICE float alibi_slope(const AttentionParams& p, int64_t linear) {
   if (!p.has(kHasAlibi)) return 0.f;
   return static_cast<const float*>(p.alibi_slopes.data)[instance_offset(p, p.alibi_slopes, linear)];
+}
+
+// The scale of one instance: the scale operand's (kScaleOperand) or the attribute.
+JF_HOST_DEVICE float instance_scale(const AttentionParams& p, int64_t linear) {
+  if (!p.has(kScaleOperand)) return p.scale;
+  return static_cast<const float*>(p.scale_operand.data)[instance_offset(p, p.scale_operand, linear)];
 }
 
 // Whether key s is visible from query t by position alone (window, causal,

@@ -25,7 +25,7 @@ from jaxflash.layout import ROW, Layout, drop_col, role_axis
 from jaxflash.validation import validate, validate_ring
 
 
-def attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+def attention(query, key, value, bias=None, mask=None, *, scale: float | jax.Array | None = None,
               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size: int | tuple[int, int] | None = None,
               implementation: None = None, return_residual: bool = False,
@@ -43,12 +43,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     query: ``(B, T, N, H)``, ``(T, N, H)``, or a single head ``(T, H)``.
     key, value: ``(B, S, K, H)``, ``(S, K, H)`` or ``(S, H)``; ``N % K == 0``
       (grouped-query attention; ``K == 1`` is multi-query). float32, float16 or
-      bfloat16, all three the same dtype; ``H <= 256``.
+      bfloat16, all three the same dtype; ``H <= 256``. ``value``'s head dim ``Hv``
+      (``<= 256``) may differ from ``H`` (jax.nn's may not), e.g. MLA's ``(192, 128)``;
+      CPU kernels only so far: lowering for a GPU raises NotImplementedError.
     bias: added to the logits; broadcastable to ``(B, N, T, S)`` (to ``(N, T, S)``
       for 3-D inputs, ``(T, S)`` for a single head), at most that rank; leading
       axes are added as in jax.nn. Differentiable.
     mask: boolean, True = attend; broadcastable like ``bias``.
-    scale: logit scale, default ``1 / sqrt(H)``.
+    scale: logit scale, default ``1 / sqrt(H)``: a Python float, or a floating-point array of
+      shape ``()``, which may be traced (a learned temperature, differentiable; under vmap
+      each item may have its own). A NaN or infinite traced scale cannot be refused and gives
+      NaN.
     is_causal: key ``s`` is visible from query ``t`` only if ``s <= t``
       (top-left aligned, as jax.nn; see ``mask_alignment``).
     query_seq_lengths, key_value_seq_lengths: int32 ``(B,)`` (a scalar for a
@@ -85,8 +90,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
     logits_soft_cap: ``cap``, a Python float > 0, or None: the scaled logits
       become ``cap * tanh(scale * q·k / cap)`` before the bias is added and the
       masks apply (Gemma 2's soft-capping; FlashAttention's ``softcap``,
-      tokamax's ``logits_soft_cap``). On CUDA it runs in the general kernels
-      (not yet the Hopper-specific ones).
+      tokamax's ``logits_soft_cap``). On CUDA the forward runs it in the general
+      kernels; on Hopper the 16-bit backward at head dims 64 / 128 in its wgmma
+      kernel (without dropout).
     query_segment_ids, key_value_segment_ids: packed sequences: int32 ``(B, T)`` and
       ``(B, S)`` (``(T,)`` and ``(S,)`` for 3-D inputs and a single head); query ``t`` sees key
       ``s`` only if ``query_segment_ids[b, t] == key_value_segment_ids[b, s]``, on top of every
@@ -106,17 +112,20 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
       ``alibi_slopes`` exactly (``|i + seqlen_k - seqlen_q - j|``). Added after
       ``logits_soft_cap`` (uncapped), with ``bias``, as FlashAttention adds it; computed in the
       kernel (no ``T×S`` array). Differentiable: the slopes' gradient is exact on the CPU
-      kernels. The CUDA kernels do not have ALiBi yet: lowering for a GPU raises
+      kernels; the CUDA kernels run ALiBi (general variant; on Hopper the backward's wgmma
+      kernel) but do not differentiate the
+      slopes yet: asking for their gradient in a call lowered for a GPU raises
       NotImplementedError. Concrete slopes must be finite.
 
   Returns:
-    The attention output, shaped like ``query``; with ``return_residual``, a
-    tuple ``(output, logsumexp)``.
+    The attention output, shaped like ``query`` with ``value``'s head dim (``(B, T, N, Hv)``);
+    with ``return_residual``, a tuple ``(output, logsumexp)``.
 
   Differences from jax.nn.dot_product_attention: a query row that sees no key
   outputs 0 and has logsumexp ``-inf`` (jax.nn averages V there); the returned
   logsumexp is differentiable (jax.nn stops its gradient); dropout, the
-  logit soft-cap and ALiBi, which jax.nn does not have.
+  logit soft-cap, ALiBi and a value head dim other than the query's, which
+  jax.nn does not have.
   """
   call = validate(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                   query_seq_lengths=query_seq_lengths,
@@ -128,12 +137,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | None = 
                   query_segment_ids=query_segment_ids,
                   key_value_segment_ids=key_value_segment_ids, alibi_slopes=alibi_slopes)
   if call.is_empty:
-    out = jnp.zeros(call.q.shape, call.q.dtype)
+    out = jnp.zeros(_output_shape(call), call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
   else:
     out, lse = _flash(call.q, call.k, call.v, call.optional_operands(), call.config)
     lse = lse.astype(call.q.dtype)
   return (out, lse) if return_residual else out
+
+
+def _output_shape(call) -> tuple[int, ...]:
+  """The output's shape: the query's, with the value's head dim."""
+  return call.q.shape[:-1] + call.v.shape[-1:]
 
 
 # ---------------------------------------------------------------- autodiff
@@ -145,6 +159,7 @@ class _Wanted:
   differentiated): a static leaf of the residuals."""
   dbias: bool
   dslopes: bool
+  dscale: bool
 
 
 def _with_placeholders(optional, dtype):
@@ -165,12 +180,12 @@ def _natural(lse2):
 
 
 # The differentiable ones among the optional operands.
-_BIAS, _SLOPES = OPTIONAL_INPUTS.index("bias"), OPTIONAL_INPUTS.index("alibi_slopes")
+_BIAS, _SLOPES, _SCALE = (OPTIONAL_INPUTS.index(slot) for slot in ("bias", "alibi_slopes", "scale"))
 
 
-# `optional`: the OPTIONAL_INPUTS (bias, mask, lengths, dropout seed, segment ids, ALiBi slopes),
-# None where absent. The bias and the slopes among them are differentiable; the others get no
-# cotangent (None).
+# `optional`: the OPTIONAL_INPUTS (bias, mask, lengths, dropout seed, segment ids, ALiBi slopes,
+# scale), None where absent. The bias, the slopes and the scale among them are differentiable;
+# the others get no cotangent (None).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, optional, config):
   out, lse2 = _bind_forward(q, k, v, optional, config)
@@ -183,11 +198,12 @@ def _flash_fwd(q, k, v, optional, config):
   # The output stays float32 as the backward's residual (see delta in _flash_bwd).
   out32, lse2 = _bind_forward(*values, optional_values,
                               config.replace(flags=config.flags | Flag.OUTPUT_F32))
-  bias, slopes = optional[_BIAS], optional[_SLOPES]
+  bias, slopes, scale = optional[_BIAS], optional[_SLOPES], optional[_SCALE]
   # Only for operands being differentiated (custom_vjp's `perturbed`), so that a call that does
   # not differentiate the slopes never asks the kernels for their gradient.
   wanted = _Wanted(dbias=bias is not None and bias.perturbed,
-                   dslopes=slopes is not None and slopes.perturbed)
+                   dslopes=slopes is not None and slopes.perturbed,
+                   dscale=scale is not None and scale.perturbed)
   return ((out32.astype(values[0].dtype), _natural(lse2)),
           ((*values, optional_values), out32, lse2, wanted))
 
@@ -215,7 +231,9 @@ def _flash_bwd(config, residuals, cotangents):
     grad_layouts["dalibi"] = grad_layouts["delta"]
     flags |= Flag.HAS_DALIBI
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
-  dq, dk, dv, dbias, dalibi = primitives.backward_p.bind(
+  if wanted.dscale:
+    bwd_config = _wanting_dscale(bwd_config)
+  dq, dk, dv, dbias, dalibi, dscale = primitives.backward_p.bind(
       q, k, v, *_with_placeholders(optional, q.dtype), lse2, delta, d_out.astype(q.dtype),
       config=bwd_config)
   if closed_form_dbias:
@@ -225,6 +243,10 @@ def _flash_bwd(config, residuals, cotangents):
     d_optional[_BIAS] = dbias
   if wanted.dslopes:
     d_optional[_SLOPES] = _slopes_gradient(dalibi, bwd_config.layout("dalibi"), slopes)
+  if config.has(Flag.SCALE_OPERAND):
+    dq = _query_gradient(q, dq, optional[_SCALE])
+  if wanted.dscale:
+    d_optional[_SCALE] = _scale_gradient(dscale, optional[_SCALE])
   return dq, dk, dv, tuple(d_optional)
 
 
@@ -235,6 +257,39 @@ def _slopes_gradient(dalibi, layout: Layout, slopes):
   g = jnp.sum(dalibi, axis=role_axis(layout, ROW))
   g = jnp.sum(g, axis=tuple(range(g.ndim - slopes.ndim)))
   return g.reshape(slopes.shape).astype(slopes.dtype)
+
+
+def _query_gradient(q, d_scaled_q, scale):
+  """dq from the backward's dq with Flag.SCALE_OPERAND, the float32 gradient g of the scaled
+  query scale·q (the logits are (scale·q)·kᵀ): scale·g, rounded once to q's dtype."""
+  return (d_scaled_q * scale[0]).astype(q.dtype)
+
+
+def _wanting_dscale(config: KernelConfig) -> KernelConfig:
+  """The backward's config that also asks for dscale (Flag.HAS_DSCALE), laid out as dk without
+  its features: the kernels sum it over the axes dk sums over."""
+  return config.with_layouts({"dscale": drop_col(config.layout("dk"))}).replace(
+      flags=config.flags | Flag.HAS_DSCALE)
+
+
+def _scale_gradient(dscale_parts, scale):
+  """A traced scale's gradient from the backward's dscale, partial sums of Σ dS∘(q·kᵀ) in
+  float32 (cuda/params.h): their sum over the axes the scale is shared along, every axis of this
+  call's dscale, the scale being one scalar per call. Under vmap this rule runs batched, so the
+  sum stays per mapped item and each item's scale gets its own gradient (the kernels read each
+  item's scale from the operand's stride along the mapped axis). Nothing divides by the scale, so
+  scale = 0 has its gradient too. Inside shard_map, a scale replicated over mesh axes that the
+  keys vary over (one learned temperature, sharded activations) gets the sum of every device's
+  part."""
+  dscale = jnp.reshape(jnp.sum(dscale_parts), (1,))
+  summed_axes = tuple(sorted(_varying_axes(dscale) - _varying_axes(scale)))
+  return jax.lax.psum(dscale, summed_axes) if summed_axes else dscale
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside shard_map) that x's value varies over; empty outside."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(manual.varying) if manual is not None and manual.varying else frozenset()
 
 
 def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:
@@ -289,7 +344,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 # ---------------------------------------------------------------- ring attention
 
-def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale: float | None = None,
+def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
+                   scale: float | jax.Array | None = None,
                    is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
                    order: Literal["contiguous", "zigzag"] = "contiguous",
                    precision: str | jax.lax.Precision | None = None, return_residual: bool = False,
@@ -323,33 +379,40 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...], scale
                        return_residual=return_residual, logits_soft_cap=logits_soft_cap)
   ring = ring_lib.Ring(call.config, axis_name, order)
   if call.is_empty:
-    out = jnp.zeros(call.q.shape, call.q.dtype)
+    out = jnp.zeros(_output_shape(call), call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
   else:
-    out, lse = _ring(call.q, call.k, call.v, ring)
+    out, lse = _ring(call.q, call.k, call.v, call.scale, ring)
     lse = lse.astype(call.q.dtype)
   return (out, lse) if return_residual else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, ring: ring_lib.Ring):
-  out32, lse2 = ring_lib.forward(q, k, v, ring)
+# `scale`: the scale operand (validation.Call), None for a static scale.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, scale, ring: ring_lib.Ring):
+  out32, lse2 = ring_lib.forward(q, k, v, ring, scale)
   return out32.astype(q.dtype), _natural(lse2)
 
 
-def _ring_fwd(q, k, v, ring):
-  out32, lse2 = ring_lib.forward(q, k, v, ring)
-  return (out32.astype(q.dtype), _natural(lse2)), (q, k, v, out32, lse2)
+def _ring_fwd(q, k, v, scale, ring):
+  out32, lse2 = ring_lib.forward(q, k, v, ring, scale)
+  return (out32.astype(q.dtype), _natural(lse2)), (q, k, v, scale, out32, lse2)
 
 
 def _ring_bwd(ring, residuals, cotangents):
-  q, k, v, out32, lse2 = residuals
+  q, k, v, scale, out32, lse2 = residuals
   d_out, d_lse = cotangents
   config = ring.config
   delta = _delta(d_out, out32, config)
   delta = delta - d_lse.astype(jnp.float32)
-  backward = dataclasses.replace(ring, config=config.with_layouts(_gradient_layouts(config)))
-  return ring_lib.backward(q, k, v, lse2, delta, d_out.astype(q.dtype), backward)
+  bwd_config = config.with_layouts(_gradient_layouts(config))
+  if scale is not None:
+    bwd_config = _wanting_dscale(bwd_config)
+  dq, dk, dv, dscale = ring_lib.backward(q, k, v, lse2, delta, d_out.astype(q.dtype),
+                                         dataclasses.replace(ring, config=bwd_config), scale)
+  if scale is not None:
+    dq, dscale = _query_gradient(q, dq, scale), _scale_gradient(dscale, scale)
+  return dq, dk, dv, dscale
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -37,6 +37,11 @@ class Flag(enum.IntFlag):
   HAS_SEGMENT_IDS = 1 << 10  # q_segment_ids and kv_segment_ids: a key is seen from equal ids only
   HAS_ALIBI = 1 << 11  # alibi_slopes: the logits get -slope * |distance to the diagonal|
   HAS_DALIBI = 1 << 12  # backward: write dalibi, the slopes' gradient per query row
+  # The scale is the scale operand's value (a traced scale: one float32 per instance, like the
+  # ALiBi slopes), not the attribute; the backward then writes dq in float32 and without the
+  # scale factor: the gradient of the scaled query scale·q.
+  SCALE_OPERAND = 1 << 13
+  HAS_DSCALE = 1 << 14  # backward: write dscale, the scale operand's gradient per key row
 
 
 UNBOUNDED = -1  # kUnbounded: an open side of the attention window
@@ -47,7 +52,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # The operand slots of the "strides" attribute, in the order of enum Slot (decode.h).
 SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
          "d_o", "delta", "dq", "dk", "dv", "dbias", "seed", "q_segment_ids", "kv_segment_ids",
-         "alibi_slopes", "dalibi")
+         "alibi_slopes", "dalibi", "scale", "dscale")
 
 # kMaxInstanceDims. Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8
@@ -61,13 +66,14 @@ DROPOUT_RESOLUTION = 2**16
 
 # The kernel primitives' operands and results, in the order the FFI handlers bind them.
 FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q_segment_ids",
-                  "kv_segment_ids", "alibi_slopes")
+                  "kv_segment_ids", "alibi_slopes", "scale")
 # The optional ones, which absent placeholders stand in for (jaxflash/attention.py binds them).
 OPTIONAL_INPUTS = FORWARD_INPUTS[3:]
 BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
 FORWARD_RESULTS = ("o", "lse", "workspace")
-# dalibi: per query row, that row's share of the ALiBi slope's gradient (cuda/params.h).
-BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "dalibi", "workspace")
+# dalibi: per query row, that row's share of the ALiBi slope's gradient; dscale: laid out as dk
+# without its features, partial sums of a traced scale's gradient (cuda/params.h).
+BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "dalibi", "dscale", "workspace")
 
 # The slots whose ROW axis runs along the query positions; the other slots with a
 # ROW axis (k, v, dk, dv) run along the key positions (view_extent in decode.h).
@@ -80,7 +86,7 @@ COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
 # query's dtype (XLA's PRED, S32, U32); an absent one is a zero-size array.
 ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32,
                  "q_segment_ids": jnp.int32, "kv_segment_ids": jnp.int32,
-                 "alibi_slopes": jnp.float32}
+                 "alibi_slopes": jnp.float32, "scale": jnp.float32}
 
 
 def absent(slot: str, dtype) -> jax.Array:
@@ -121,7 +127,7 @@ class KernelConfig:
   """
   instance_sizes: tuple[int, ...]
   layouts: tuple[tuple[str, Layout], ...]
-  seq_dims: tuple[int, int, int]  # T, S, H
+  seq_dims: tuple[int, int, int, int]  # T, S, H (q, k), Hv (v, o)
   scale: float
   window: tuple[int, int]
   flags: int

@@ -6,57 +6,106 @@ keyword arguments the function's signature names, so every one it may pass is na
 and the ones jaxflash cannot honour raise instead of being dropped silently).
 
 Masks. Flax modules receive their mask as a dense ``(batch..., 1 or heads, T, S)`` array,
-usually from ``make_causal_mask`` and ``make_attention_mask`` (padding). Read as such, the
-kernels would stream that T×S mask tile by tile and could skip nothing. So a mask shared by
-the heads is classified on the device first, in one pass over it: when it equals "query
-``t < q_len[b]`` sees key ``s < kv_len[b]``", with or without ``s <= t`` (prefix padding of
-queries and keys, a causal mask, or both), the kernels get ``is_causal`` and the sequence
-lengths instead, which skip whole tiles; any other mask reaches them as it is. The choice is a
-``lax.switch`` on that result: both kernels are compiled, one runs (under ``vmap`` of the
-whole call the switch becomes a select, and both run).
+usually from ``make_causal_mask`` and ``make_attention_mask`` (padding, or documents:
+``make_attention_mask(ids, ids, jnp.equal)``). Read as such, the kernels would stream that T×S
+mask tile by tile and could skip nothing. So a mask shared by the heads is classified on the
+device first (:func:`mask_structure`), and the kernels get an equivalent description instead
+where the mask has one, with or without ``s <= t`` (top-left causal):
 
-Packed sequences. Flax modules have no segment-id argument, so a block-diagonal (document)
-mask arrives dense. ``flax_attention`` takes ``query_segment_ids`` / ``key_value_segment_ids``
-itself (bind them per call, e.g. ``functools.partial(jaxflash.flax_attention,
-query_segment_ids=ids, key_value_segment_ids=ids)`` as the module's ``attention_fn``), and
-then combines them with whatever mask the module passes. A block-diagonal mask is not yet
-recognised and turned into ids: that is possible on the device in the same pass as the
-classification above (ids from where each row's diagonal neighbour is masked, checked
-against the whole mask), as one more branch of the lax.switch.
+- "query ``t < q_len[b]`` sees key ``s < kv_len[b]``" (prefix padding of queries and keys, a
+  causal mask, or both): ``is_causal`` and the sequence lengths;
+- "query ``t`` sees key ``s`` where ``q_ids[b, t] == kv_ids[b, s]``" (packed documents, any
+  padding included): ``is_causal`` and segment ids. The ids are derived from the mask: a row's
+  id is its first visible key (``QUERY_PADDING_ID`` where it sees none), a key's is the
+  smallest id of the rows that see it (``KEY_VALUE_PADDING_ID`` where none does). For every
+  mask of that form, whatever the ids it was made from, these reproduce it: every row that sees
+  a key of a document sees the document's first key first, and only the document's rows see its
+  keys. That holds for T != S
+  (cross-attention, keys packed apart from the queries) and for documents in any order; with
+  documents contiguous along the row, the kernels also skip the tiles between them.
+
+Nothing is trusted: the structures are checked against the whole mask, all of them in one
+elementwise pass after the two reductions that give the lengths and ids, and any other mask
+reaches the kernels as it is. The choice is a ``lax.switch`` on the result: every kernel call
+is compiled, one runs (under ``vmap`` of the whole call the switch becomes a select, and all
+run).
+
+Packed sequences by ids. ``flax_attention`` also takes ``query_segment_ids`` /
+``key_value_segment_ids`` itself (bind them per call, e.g. ``functools.partial(
+jaxflash.flax_attention, query_segment_ids=ids, key_value_segment_ids=ids)`` as the module's
+``attention_fn``) and combines them with whatever mask the module passes; a mask is then not
+turned into ids (the kernels take one pair), only into lengths.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxflash.attention import attention
+from jaxflash.packing import KEY_VALUE_PADDING_ID, QUERY_PADDING_ID
 
-# What mask_structure returns.
-DENSE, PADDING, CAUSAL_PADDING = 0, 1, 2
+# What mask_structure returns: the call each kind of mask runs as.
+DENSE, PADDING, CAUSAL_PADDING, SEGMENTS, CAUSAL_SEGMENTS = range(5)
+# When the mask has several of these structures (a padding mask is also one document followed by
+# padding), the first that fits: lengths run in every kernel, segment ids only in CUDA's general
+# (mma.sync) ones.
+_PREFERENCE = (CAUSAL_PADDING, PADDING, CAUSAL_SEGMENTS, SEGMENTS)
 
 
-def mask_structure(mask):
-  """Classifies a boolean ``(B, T, S)`` mask: ``(kind, q_len, kv_len)``.
+class MaskStructure(NamedTuple):
+  """What :func:`mask_structure` finds: the kind (an int32 scalar) and, per batch item, the
+  lengths and segment ids that reproduce the mask when the kind says so."""
+  kind: jax.Array
+  query_seq_lengths: jax.Array  # int32 (B,)
+  key_value_seq_lengths: jax.Array  # int32 (B,)
+  query_segment_ids: jax.Array  # int32 (B, T)
+  key_value_segment_ids: jax.Array  # int32 (B, S)
 
-  ``kind`` (an int32 scalar) is ``PADDING`` when ``mask[b, t, s] == (t < q_len[b]) &
-  (s < kv_len[b])`` for every element, ``CAUSAL_PADDING`` when it equals that and ``s <= t``,
-  else ``DENSE``; ``q_len`` / ``kv_len`` (int32 ``(B,)``) count the rows that see a key and
-  the keys that a row sees.
+
+def mask_structure(mask) -> MaskStructure:
+  """Classifies a boolean ``(B, T, S)`` mask.
+
+  The kind is ``PADDING`` when ``mask[b, t, s] == (t < q_len[b]) & (s < kv_len[b])`` for every
+  element, ``SEGMENTS`` when ``mask[b, t, s] == (q_ids[b, t] == kv_ids[b, s])``, ``CAUSAL_*``
+  when it equals that and ``s <= t``, else ``DENSE`` (the first that fits of ``CAUSAL_PADDING``,
+  ``PADDING``, ``CAUSAL_SEGMENTS``, ``SEGMENTS``). ``q_len`` / ``kv_len`` count the rows that
+  see a key and the keys that a row sees. ``q_ids[b, t]`` is row t's first visible key, or
+  ``QUERY_PADDING_ID`` (-1) where it sees none; ``kv_ids[b, s]`` is the smallest id of the rows
+  that see key s, or ``KEY_VALUE_PADDING_ID`` (-2) where none does (see the module docstring
+  for why these reproduce every mask of the segment form).
   """
   _, t_len, s_len = mask.shape
-  q_len = jnp.sum(jnp.any(mask, axis=2), axis=1, dtype=jnp.int32)
-  kv_len = jnp.sum(jnp.any(mask, axis=1), axis=1, dtype=jnp.int32)
   t = lax.broadcasted_iota(jnp.int32, (1, t_len, s_len), 1)
   s = lax.broadcasted_iota(jnp.int32, (1, t_len, s_len), 2)
+  first_key = jnp.min(jnp.where(mask, s, s_len), axis=2, initial=s_len)  # (B, T), S: none
+  sees_a_key = first_key < s_len
+  q_ids = jnp.where(sees_a_key, first_key, QUERY_PADDING_ID)
+  smallest_seeing_id = jnp.min(jnp.where(mask, q_ids[:, :, None], s_len), axis=1,
+                               initial=s_len)  # (B, S), S: no row sees the key
+  is_seen = smallest_seeing_id < s_len
+  kv_ids = jnp.where(is_seen, smallest_seeing_id, KEY_VALUE_PADDING_ID)
+  q_len = jnp.sum(sees_a_key, axis=1, dtype=jnp.int32)
+  kv_len = jnp.sum(is_seen, axis=1, dtype=jnp.int32)
+
   box = (t < q_len[:, None, None]) & (s < kv_len[:, None, None])
-  is_box = jnp.all(mask == box)
-  is_causal_box = jnp.all(mask == (box & (s <= t)))
-  kind = jnp.where(is_causal_box, CAUSAL_PADDING, jnp.where(is_box, PADDING, DENSE))
-  return kind.astype(jnp.int32), q_len, kv_len
+  same_segment = q_ids[:, :, None] == kv_ids[:, None, :]
+  candidates = {PADDING: box, CAUSAL_PADDING: box & (s <= t), SEGMENTS: same_segment,
+                CAUSAL_SEGMENTS: same_segment & (s <= t)}
+  # All four checks in one pass over the mask: bit `kind` of `broken` is set where the mask
+  # differs from that kind's candidate anywhere.
+  mismatches = sum((mask != candidate).astype(jnp.int32) << kind
+                   for kind, candidate in candidates.items())
+  broken = lax.reduce(mismatches, np.int32(0), lax.bitwise_or, (0, 1, 2))
+  kind = jnp.int32(DENSE)
+  for preferred in reversed(_PREFERENCE):
+    kind = jnp.where((broken & (1 << preferred)) == 0, preferred, kind)
+  return MaskStructure(kind, q_len, kv_len, q_ids, kv_ids)
 
 
 def _precision_name(precision):
@@ -103,7 +152,8 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
 
   Args:
     query: ``(batch..., T, N, H)``.
-    key, value: ``(batch..., S, K, H)``, ``N % K == 0``.
+    key, value: ``(batch..., S, K, H)`` and ``(batch..., S, K, Hv)``, ``N % K == 0``; the value
+      head dim ``Hv`` may differ from ``H`` (:func:`jaxflash.attention`'s CPU kernels).
     bias: added to the logits, broadcastable to ``(batch..., N, T, S)``.
     mask: True (or nonzero) = attend, broadcastable to ``(batch..., N, T, S)``. A mask shared
       by the heads that is a causal and/or prefix-padding mask runs as ``is_causal`` and
@@ -131,7 +181,8 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
       aligned (``|s - t|``), as everything in this adapter.
 
   Returns:
-    ``(batch..., T, N, H)`` in the query's dtype (``dtype`` when given).
+    ``(batch..., T, N, Hv)`` (``Hv`` the value's head dim, usually the query's) in the query's
+    dtype (``dtype`` when given).
   """
   del force_fp32_for_softmax
   if module is not None:
@@ -172,12 +223,12 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
     options.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=bool(broadcast_dropout))
   out = _attend(q, k, v, bias, mask, is_causal, options)
-  return out.reshape(query.shape)
+  return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
 def _attend(q, k, v, bias, mask, is_causal, options):
   """attention() with `options` (precision, soft-cap, segment ids, ALiBi, dropout), the mask run
-  as causal and lengths where it has that structure."""
+  as causal, lengths and segment ids where it has that structure."""
   call = lambda **kwargs: attention(q, k, v, bias, **options, **kwargs)
   if mask is None:
     return call(is_causal=is_causal)
@@ -186,12 +237,24 @@ def _attend(q, k, v, bias, mask, is_causal, options):
                                                    zip(mask.shape[-2:], (t_len, s_len))):
     # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
     return call(mask=mask, is_causal=is_causal)
-  kind, q_len, kv_len = mask_structure(jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len)))
-  if is_causal:  # the mask and causality: a padding mask becomes causal padding
-    kind = jnp.where(kind == PADDING, CAUSAL_PADDING, kind)
+  found = mask_structure(jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len)))
+  kind = found.kind
+  if is_causal:  # the mask and causality: padding becomes causal padding, segments causal ones
+    kind = jnp.where(kind == PADDING, CAUSAL_PADDING,
+                     jnp.where(kind == SEGMENTS, CAUSAL_SEGMENTS, kind))
+  lengths = dict(query_seq_lengths=found.query_seq_lengths,
+                 key_value_seq_lengths=found.key_value_seq_lengths)
   branches = [
-      lambda: call(mask=mask, is_causal=is_causal),
-      lambda: call(query_seq_lengths=q_len, key_value_seq_lengths=kv_len),
-      lambda: call(is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len),
+      lambda: call(mask=mask, is_causal=is_causal),  # DENSE
+      lambda: call(**lengths),  # PADDING
+      lambda: call(is_causal=True, **lengths),  # CAUSAL_PADDING
   ]
+  if "query_segment_ids" in options:
+    # The kernels take one pair of ids, the caller's: a segment mask is read as it is.
+    kind = jnp.where(kind >= SEGMENTS, DENSE, kind)
+  else:
+    ids = dict(query_segment_ids=found.query_segment_ids,
+               key_value_segment_ids=found.key_value_segment_ids)
+    branches += [lambda: call(**ids),  # SEGMENTS
+                 lambda: call(is_causal=True, **ids)]  # CAUSAL_SEGMENTS
   return lax.switch(kind, branches)

@@ -1,18 +1,24 @@
 """The kernel primitives: one custom call per direction, on the arrays one device holds.
 
 ``jaxflash_fwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
-                          q_segment_ids, kv_segment_ids, alibi_slopes) -> (o, lse, workspace)
+                          q_segment_ids, kv_segment_ids, alibi_slopes, scale)
+                          -> (o, lse, workspace)
 ``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
-                          q_segment_ids, kv_segment_ids, alibi_slopes, lse, delta, d_o)
-                         -> (dq, dk, dv, dbias, dalibi, workspace)
+                          q_segment_ids, kv_segment_ids, alibi_slopes, scale, lse, delta,
+                          d_o)
+                         -> (dq, dk, dv, dbias, dalibi, dscale, workspace)
 
 lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
 lo, whose sum is exact (cuda/params.h says why); jaxflash.attention hands its callers
 hi ln 2, the natural log.
 Absent optional operands are zero-size arrays (flags say which are present);
-``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py). ``dalibi`` is the
+``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py); ``scale``
+the float32 scale of a traced scale (Flag.SCALE_OPERAND), one per instance as the
+ALiBi slopes are (under vmap, a per-item scale is batched like any operand). ``dalibi`` is the
 ALiBi slopes' gradient per query row (float32, laid out as delta), zero-size without
-HAS_DALIBI; jaxflash/attention.py sums it over the rows.
+HAS_DALIBI; jaxflash/attention.py sums it over the rows. ``dscale`` holds partial sums of a
+traced scale's gradient (float32, laid out as dk without its features: a row per key), zero-size
+without HAS_DSCALE; jaxflash/attention.py sums them whole.
 ``workspace`` is the CUDA kernels' scratch (uint8), sized here at abstract evaluation by
 the native module so the handler never allocates: the backward's dQ accumulator and row
 statistics, both directions' per-tile segment-id ranges (zero-size for a forward without
@@ -63,15 +69,17 @@ def forward_avals(q, config: KernelConfig):
 
 
 def gradient_avals(q, k, v, bias, config: KernelConfig):
-  """(dq, dk, dv, dbias, dalibi) of a backward with this config; dbias is zero-size without
-  HAS_DBIAS, dalibi without HAS_DALIBI."""
-  dbias_shape = shape_of(config.layout("dbias")) if config.has(Flag.HAS_DBIAS) else (0,)
-  dalibi_shape = shape_of(config.layout("dalibi")) if config.has(Flag.HAS_DALIBI) else (0,)
-  return (result_aval(q, shape_of(config.layout("dq")), q.dtype),
+  """(dq, dk, dv, dbias, dalibi, dscale) of a backward with this config; dbias is zero-size
+  without HAS_DBIAS, dalibi without HAS_DALIBI, dscale without HAS_DSCALE."""
+  optional_shape = lambda slot, flag: shape_of(config.layout(slot)) if config.has(flag) else (0,)
+  # With a scale operand, dq is the scaled query's, in float32 (Flag.SCALE_OPERAND).
+  dq_dtype = jnp.float32 if config.has(Flag.SCALE_OPERAND) else q.dtype
+  return (result_aval(q, shape_of(config.layout("dq")), dq_dtype),
           result_aval(q, shape_of(config.layout("dk")), k.dtype),
           result_aval(q, shape_of(config.layout("dv")), v.dtype),
-          result_aval(q, dbias_shape, bias.dtype),
-          result_aval(q, dalibi_shape, jnp.float32))
+          result_aval(q, optional_shape("dbias", Flag.HAS_DBIAS), bias.dtype),
+          result_aval(q, optional_shape("dalibi", Flag.HAS_DALIBI), jnp.float32),
+          result_aval(q, optional_shape("dscale", Flag.HAS_DSCALE), jnp.float32))
 
 
 # ---------------------------------------------------------------- batching
@@ -109,8 +117,8 @@ def forward_batching_rule(primitive, extra_results: int):
 
 def backward_batching_rule(primitive, extra_results: int):
   """The batching rule of a primitive that takes BACKWARD_INPUTS and returns (dq, dk, dv,
-  dbias, dalibi) and `extra_results` unbatched results. jaxflash/primitives.py's backward
-  shares it."""
+  dbias, dalibi, dscale) and `extra_results` unbatched results. jaxflash/primitives.py's
+  backward shares it."""
   def rule(args, dims, *, config):
     config, axis = _new_instance_axis(config, BACKWARD_INPUTS, args, dims)
     # Every gradient is per vmapped instance, also for an operand that was not
@@ -118,13 +126,16 @@ def backward_batching_rule(primitive, extra_results: int):
     # vmapped axis, else in front.
     updates, out_dims = {}, []
     # dalibi has a row per query of each instance, as delta has: it goes where delta has the axis.
+    # dscale is k's instances and rows: where k has the axis, or last if that is past k's
+    # features (dscale has none).
     for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3),
-                          ("dalibi", BACKWARD_INPUTS.index("delta"))):
-      if config.layout(grad) is None:
+                          ("dalibi", BACKWARD_INPUTS.index("delta")), ("dscale", 1)):
+      layout = config.layout(grad)
+      if layout is None:
         out_dims.append(None)
         continue
-      d = dims[operand] if dims[operand] is not None else 0
-      updates[grad] = insert_axis(config.layout(grad), d, axis)
+      d = min(dims[operand] if dims[operand] is not None else 0, len(layout))
+      updates[grad] = insert_axis(layout, d, axis)
       out_dims.append(d)
     config = config.with_layouts(updates)
     return primitive.bind(*args, config=config), tuple(out_dims) + (None,) * extra_results
@@ -135,7 +146,7 @@ def backward_batching_rule(primitive, extra_results: int):
 
 def _workspace_aval(q, config: KernelConfig, bytes_of):
   """The uint8 scratch result, `bytes_of` the native module's size for this direction."""
-  T, S, H = config.seq_dims
+  T, S, H, _ = config.seq_dims  # (only the CUDA kernels have a workspace, and they take Hv = H)
   size = bytes_of(math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype).name],
                   config.has(Flag.HAS_SEGMENT_IDS))
   return result_aval(q, (size,), jnp.uint8)
@@ -178,13 +189,21 @@ def _lowering(target: str):
 def _check_cuda_call(config: KernelConfig) -> None:
   """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
   by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
-  contract.CUDA_MAX_SEQLEN) and ALiBi (not in the CUDA kernels yet)."""
-  if config.has(Flag.HAS_ALIBI):
+  contract.CUDA_MAX_SEQLEN), the gradient of ALiBi's slopes (the CUDA kernels run ALiBi but
+  do not differentiate its slopes yet) and a value head dim other than the query/key one (not
+  in the CUDA kernels yet)."""
+  T, S, H, Hv = config.seq_dims
+  if Hv != H:
     raise NotImplementedError(
-        "jaxflash.attention: alibi_slopes run on the CPU kernels only for now; the CUDA kernels "
-        "do not have ALiBi yet (a dense bias of -slope * |distance| works on the GPU, at T x S "
-        "memory).")
-  T, S, _ = config.seq_dims
+        f"jaxflash.attention: a value head dim (value.shape[-1] = {Hv}) other than the "
+        f"query/key head dim ({H}) runs on the CPU kernels only for now; the CUDA kernels take "
+        f"value.shape[-1] == query.shape[-1] only.")
+  if config.has(Flag.HAS_DALIBI):
+    raise NotImplementedError(
+        "jaxflash.attention: the gradient of alibi_slopes is computed on the CPU kernels only for "
+        "now; on the GPU, differentiate q, k and v with fixed slopes "
+        "(alibi_slopes=jax.lax.stop_gradient(slopes)), or pass a dense bias of -slope * "
+        "|distance| to learn them (T x S memory).")
   for what, n in (("query sequence length (query.shape[-3])", T),
                   ("key/value sequence length (key.shape[-3])", S),
                   ("ring attention's block offset", abs(config.diagonal))):

@@ -14,7 +14,8 @@ The rule is written in *factors*, named from the config's layouts:
   n            q's head axis when it flattens two of them (kv head, group: GQA
                with more than one kv head); otherwise q's heads are that one factor
   t, s         the query and key sequence positions
-  h            the feature (head dim)
+  h, hv        the features (head dims) of q and k, and of v and o (jax.nn has them equal;
+               jaxflash's CPU kernels take them different)
 
 An instance factor may be sharded on any mesh axes that divide it: each device
 runs its own batch items and heads, and nothing is communicated except a psum
@@ -25,7 +26,7 @@ per device (K = 2 kv heads over 4 devices) take K/V replicated: each device
 reads the kv heads its query heads need from its copy, and psums its partial
 dk and dv (Plan.head_axes). t and s are sharded together, on the mesh axes of
 q's (else k's) sequence, when ring attention (jaxflash/ring.py) can compute the
-call; otherwise they stay replicated, as h always does, and XLA gathers a
+call; otherwise they stay replicated, as h and hv always do, and XLA gathers a
 sequence- or feature-sharded operand before the call.
 """
 
@@ -51,10 +52,11 @@ GRADIENTS = BACKWARD_RESULTS[:-1]
 
 # The factor of each slot's COL axis (the seed's COL axis, its two words, has none: never
 # sharded); a ROW axis is t for QUERY_ROW_SLOTS, else s.
-COL_FACTOR = {**dict.fromkeys(("q", "k", "v", "o", "d_o", "dq", "dk", "dv"), "h"),
+COL_FACTOR = {**dict.fromkeys(("q", "k", "dq", "dk"), "h"),
+              **dict.fromkeys(("v", "o", "d_o", "dv"), "hv"),
               **dict.fromkeys(("bias", "mask", "dbias"), "s")}
 SEQUENCE_FACTORS = ("t", "s")  # sharded together, by ring attention
-REPLICATED_FACTORS = ("h",)
+REPLICATED_FACTORS = ("h", "hv")
 QUERY_HEADS = "n"  # the rule's one factor for a head axis of two factors (q's: kv head, group)
 
 MeshAxes = tuple[str, ...]
@@ -88,9 +90,9 @@ def query_head_factors(config: KernelConfig) -> tuple[str, ...]:
 
 
 def factor_sizes(config: KernelConfig) -> dict[str, int]:
-  T, S, H = config.seq_dims
+  T, S, H, Hv = config.seq_dims
   sizes = {_instance_factor(i): n for i, n in enumerate(config.instance_sizes)}
-  sizes.update(t=T, s=S, h=H)
+  sizes.update(t=T, s=S, h=H, hv=Hv)
   return sizes
 
 
@@ -172,7 +174,7 @@ class Plan:
     else:
       return
     n = self._mesh_size(mesh_axes)
-    T, S, _ = self.config.seq_dims
+    T, S = self.config.seq_dims[:2]
     if (ring_lib.unsupported(self.config) is None and T % n == 0 and S % n == 0 and
         self._free(mesh_axes)):
       self.axes.update(t=mesh_axes, s=mesh_axes)
@@ -184,7 +186,7 @@ class Plan:
     if not axes:
       return None
     n = self._mesh_size(axes)
-    T, S, _ = self.config.seq_dims
+    T, S = self.config.seq_dims[:2]
     # Zig-zag balances causal attention (a window balances itself); it needs each block to
     # split into two chunks.
     order = "zigzag" if self.config.window == ring_lib.CAUSAL and T % (2 * n) == 0 else "contiguous"
@@ -282,12 +284,12 @@ class Plan:
 
     layouts = {slot: tuple(local_axis(slot, axis) for axis in layout)
                for slot, layout in self.config.layouts}
-    T, S, H = self.config.seq_dims
+    T, S, *head_dims = self.config.seq_dims
     seq_shards = self._mesh_size(self.axes.get("t", ()))
     instance_sizes = tuple(local[_instance_factor(i)]
                            for i in range(len(self.config.instance_sizes)))
     return self.config.replace(instance_sizes=instance_sizes,
-                               seq_dims=(T // seq_shards, S // seq_shards, H)).with_layouts(layouts)
+                               seq_dims=(T // seq_shards, S // seq_shards, *head_dims)).with_layouts(layouts)
 
   def _kv_head_dim(self, slot: str) -> int | None:
     """With q's heads split flat: the position of the kv-head axis in k, v, dk or dv (the
@@ -380,26 +382,34 @@ def _reorder(ring: ring_lib.Ring, x, slot: str, permute):
   return permute(x, role_axis(ring.config.layout(slot), ROW), ring.axis_name)
 
 
-def _ring_forward(ring: ring_lib.Ring, q, k, v, *absent):
+def _ring_scale(ring: ring_lib.Ring, scale):
+  """The scale operand for ring_lib, None when the scale is static (a placeholder here)."""
+  return scale if ring.config.has(Flag.SCALE_OPERAND) else None
+
+
+def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
   """Ring attention on contiguous sequence shards (permuted to zig-zag order and back)."""
-  del absent  # bias, mask, q_lens, kv_lens, seed, segment ids, slopes: ring_lib.unsupported
+  # Of the optional operands only the scale can be present (ring_lib.unsupported).
+  scale = _ring_scale(ring, optional[-1])
   q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
-  o32, lse = ring_lib.forward(q, k, v, ring)
+  o32, lse = ring_lib.forward(q, k, v, ring, scale)
   o = o32 if ring.config.has(Flag.OUTPUT_F32) else o32.astype(q.dtype)
   return (_reorder(ring, o, "o", ring_lib.from_zigzag),
           _reorder(ring, lse, "lse", ring_lib.from_zigzag))
 
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                   kv_segment_ids, alibi_slopes, lse, delta, d_o):
+                   kv_segment_ids, alibi_slopes, scale, lse, delta, d_o):
   # absent: ring_lib.unsupported
   del bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes
   operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
-  grads = ring_lib.backward(*operands, ring)
-  return tuple(_reorder(ring, g, slot, ring_lib.from_zigzag)
-               for g, slot in zip(grads, ("dq", "dk", "dv"))) + (absent("dbias", q.dtype),
-                                                                  absent("dalibi", jnp.float32))
+  dq, dk, dv, dscale = ring_lib.backward(*operands, ring, _ring_scale(ring, scale))
+  dq, dk, dv = (_reorder(ring, g, slot, ring_lib.from_zigzag)
+                for g, slot in zip((dq, dk, dv), ("dq", "dk", "dv")))
+  dscale = (absent("dscale", jnp.float32) if dscale is None else
+            _reorder(ring, dscale, "dscale", ring_lib.from_zigzag))
+  return dq, dk, dv, absent("dbias", q.dtype), absent("dalibi", jnp.float32), dscale
 
 
 def _infer(slots: Sequence[str], results: Sequence[str]):
@@ -412,18 +422,18 @@ def _infer(slots: Sequence[str], results: Sequence[str]):
 
 
 def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids,
-             alibi_slopes, config):
+             alibi_slopes, scale, config):
   o, lse, _workspace = kernels.forward_kernel_p.bind(q, k, v, bias, mask, q_lens, kv_lens, seed,
                                                      q_segment_ids, kv_segment_ids, alibi_slopes,
-                                                     config=config)
+                                                     scale, config=config)
   return o, lse
 
 
 def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids,
-              alibi_slopes, lse, delta, d_o, config):
+              alibi_slopes, scale, lse, delta, d_o, config):
   *grads, _workspace = kernels.backward_kernel_p.bind(
       q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes,
-      lse, delta, d_o, config=config)
+      scale, lse, delta, d_o, config=config)
   return tuple(grads)
 
 

@@ -1,10 +1,10 @@
 """The forward and backward attention primitives that jaxflash.attention binds.
 
 ``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                   kv_segment_ids, alibi_slopes) -> (o, lse)
+                   kv_segment_ids, alibi_slopes, scale) -> (o, lse)
 ``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                  kv_segment_ids, alibi_slopes, lse, delta, d_o)
-                  -> (dq, dk, dv, dbias, dalibi)
+                  kv_segment_ids, alibi_slopes, scale, lse, delta, d_o)
+                  -> (dq, dk, dv, dbias, dalibi, dscale)
 
 lse is the kernels' base-2 logsumexp (jaxflash/kernels.py). They describe the
 whole (global) problem. Each has an abstract evaluation, the

@@ -60,7 +60,7 @@ CAUSAL = (UNBOUNDED, 0)
 
 def unsupported(config: KernelConfig) -> str | None:
   """Why ring attention cannot compute this call, or None if it can."""
-  T, S, _ = config.seq_dims
+  T, S = config.seq_dims[:2]
   for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("q_lens", "query_seq_lengths"),
                      ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout"),
                      ("q_segment_ids", "segment ids"), ("alibi_slopes", "alibi_slopes")):
@@ -186,7 +186,7 @@ class Ring:
     layouts = {slot: with_rows(layout, task.tq if slot in QUERY_ROW_SLOTS else task.tk)
                for slot, layout in config.layouts}
     # Positions are the task's own (the lengths are equal, and there are no length operands).
-    return config.replace(seq_dims=(task.tq, task.tk, config.seq_dims[2]), window=task.window,
+    return config.replace(seq_dims=(task.tq, task.tk, *config.seq_dims[2:]), window=task.window,
                           diagonal=task.diagonal,
                           flags=config.flags & ~Flag.BOTTOM_RIGHT).with_layouts(layouts)
 
@@ -233,8 +233,11 @@ def _pad_rows(x, layout: Layout, start: int, total: int, value):
   return lax.pad(x, jnp.asarray(value, x.dtype), config)
 
 
-def _absent_operands(dtype):
-  return tuple(absent(slot, dtype) for slot in OPTIONAL_INPUTS)
+def _optional_operands(dtype, scale):
+  """The kernels' optional operands: all absent (unsupported() refuses them) but the scale
+  operand, when the scale is traced (None: static)."""
+  return tuple(scale if slot == "scale" and scale is not None else absent(slot, dtype)
+               for slot in OPTIONAL_INPUTS)
 
 
 def _zeros(layout: Layout, rows: int):
@@ -303,10 +306,11 @@ def _step_call(ring: Ring, ring_pass: Pass, step: int, branches: Branches, compu
   return ring.run(step, ring_pass.direction, branches, task_call, idle, *block)
 
 
-def forward(q, k, v, ring: Ring):
-  """This device's (o in float32, lse) over the whole ring."""
+def forward(q, k, v, ring: Ring, scale=None):
+  """This device's (o in float32, lse) over the whole ring; `scale`: the scale operand of a
+  traced scale (Flag.SCALE_OPERAND), None for a static one."""
   config = ring.config.replace(flags=ring.config.flags | Flag.OUTPUT_F32)
-  T, S, _ = config.seq_dims
+  T, S = config.seq_dims[:2]
   o_layout, lse_layout = config.layout("o"), config.layout("lse")
   o = lse = None
   for ring_pass in ring.passes():
@@ -318,7 +322,7 @@ def forward(q, k, v, ring: Ring):
       def compute(task: Task, k_rows, v_rows):
         o_part, lse_part, _workspace = kernels.forward_kernel_p.bind(
             _rows(q, config.layout("q"), task.q0, task.tq), k_rows, v_rows,
-            *_absent_operands(q.dtype), config=ring.task_config(task, config))
+            *_optional_operands(q.dtype, scale), config=ring.task_config(task, config))
         return (_pad_rows(o_part, o_layout, task.q0 - lo, hi - lo, 0.0),
                 _pad_rows(lse_part, lse_layout, task.q0 - lo, hi - lo, -jnp.inf))
 
@@ -338,15 +342,25 @@ def forward(q, k, v, ring: Ring):
   return o, lse
 
 
-def backward(q, k, v, lse, delta, d_o, ring: Ring):
-  """(dq, dk, dv) of this device's blocks over the whole ring; ring.config is the backward's."""
+def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None):
+  """(dq, dk, dv, dscale) of this device's blocks over the whole ring; ring.config is the
+  backward's. With a scale operand (`scale`, as for forward), dq is the scaled query's, in float32
+  (Flag.SCALE_OPERAND); dscale is the kernels' partial sums of its gradient per key row of the
+  local block (Flag.HAS_DSCALE), None without that flag."""
   config = ring.config
-  T, S, _ = config.seq_dims
+  T, S = config.seq_dims[:2]
   layout = config.layout
+  # The gradients of the key rows, which travel with their block: dK, dV (and dscale).
+  key_slots = ("dk", "dv") + (("dscale",) if config.has(Flag.HAS_DSCALE) else ())
   dq = _zeros(layout("dq"), T)
-  dk, dv = _zeros(layout("dk"), S), _zeros(layout("dv"), S)
+  key_grads = tuple(_zeros(layout(slot), S) for slot in key_slots)
+
+  def add_rows(grads, span: Span, parts):
+    return tuple(_update_rows(x, layout(slot), span, lambda rows, part=part: rows + part)
+                 for x, slot, part in zip(grads, key_slots, parts))
+
   for ring_pass in ring.passes():
-    travelling = touched = None  # the dK/dV of the block here (its rows `touched`)
+    travelling = touched = None  # the key gradients of the block here (its rows `touched`)
     last = len(ring_pass.steps) - 1
     for step, branches, block, block_rows in _travel(ring, ring_pass, k, v, S):
       if branches != (None, None):
@@ -355,39 +369,43 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring):
 
         def compute(task: Task, k_rows, v_rows):
           q_rows = lambda x, slot: _rows(x, layout(slot), task.q0, task.tq)
-          dq_part, dk_part, dv_part, _dbias, _dalibi, _workspace = kernels.backward_kernel_p.bind(
-              q_rows(q, "q"), k_rows, v_rows, *_absent_operands(q.dtype), q_rows(lse, "lse"),
-              q_rows(delta, "delta"), q_rows(d_o, "d_o"), config=ring.task_config(task))
+          dq_part, dk_part, dv_part, _dbias, _dalibi, dscale_part, _workspace = (
+              kernels.backward_kernel_p.bind(
+                  q_rows(q, "q"), k_rows, v_rows, *_optional_operands(q.dtype, scale),
+                  q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
+                  config=ring.task_config(task)))
           f32 = lambda x: x.astype(jnp.float32)
+          key_parts = dict(dk=dk_part, dv=dv_part, dscale=dscale_part)
           return (_pad_rows(f32(dq_part), layout("dq"), task.q0 - q_lo, q_hi - q_lo, 0.0),
-                  _pad_rows(f32(dk_part), layout("dk"), task.k0 - k_lo, k_hi - k_lo, 0.0),
-                  _pad_rows(f32(dv_part), layout("dv"), task.k0 - k_lo, k_hi - k_lo, 0.0))
+                  *(_pad_rows(f32(key_parts[slot]), layout(slot), task.k0 - k_lo, k_hi - k_lo, 0.0)
+                    for slot in key_slots))
 
-        idle = lambda: (_zeros(layout("dq"), q_hi - q_lo), _zeros(layout("dk"), k_hi - k_lo),
-                        _zeros(layout("dv"), k_hi - k_lo))
-        dq_part, dk_part, dv_part = _step_call(ring, ring_pass, step, branches, compute, idle,
-                                               block, block_rows)
+        idle = lambda: (_zeros(layout("dq"), q_hi - q_lo),
+                        *(_zeros(layout(slot), k_hi - k_lo) for slot in key_slots))
+        dq_part, *key_parts = _step_call(ring, ring_pass, step, branches, compute, idle,
+                                         block, block_rows)
         dq = _update_rows(dq, layout("dq"), q_span, lambda rows: rows + dq_part)
         if step == 0:  # the local block's own
-          dk = _update_rows(dk, layout("dk"), k_span, lambda rows: rows + dk_part)
-          dv = _update_rows(dv, layout("dv"), k_span, lambda rows: rows + dv_part)
+          key_grads = add_rows(key_grads, k_span, key_parts)
         else:
           now = ring_pass.keys_touched(step)
           grow = lambda x, slot, span: _pad_rows(x, layout(slot), span[0] - now[0],
                                                  now[1] - now[0], 0.0)
-          parts = (grow(dk_part, "dk", k_span), grow(dv_part, "dv", k_span))
+          parts = tuple(grow(x, slot, k_span) for x, slot in zip(key_parts, key_slots))
           travelling = parts if travelling is None else tuple(
               grow(x, slot, touched) + part
-              for x, slot, part in zip(travelling, ("dk", "dv"), parts))
+              for x, slot, part in zip(travelling, key_slots, parts))
           touched = now
       if step < last and travelling is not None:
         travelling = ring.shift(travelling, ring_pass.direction)  # they go with their block
     if travelling is not None:
-      # The block here at the last step is the one of `last` steps back: send its dK/dV home.
-      home_dk, home_dv = ring.shift(travelling, -ring_pass.direction * last)
-      dk = _update_rows(dk, layout("dk"), touched, lambda rows: rows + home_dk)
-      dv = _update_rows(dv, layout("dv"), touched, lambda rows: rows + home_dv)
-  return tuple(x.astype(q.dtype) for x in (dq, dk, dv))
+      # The block here at the last step is the one of `last` steps back: send its gradients home.
+      key_grads = add_rows(key_grads, touched,
+                           ring.shift(travelling, -ring_pass.direction * last))
+  if scale is None:
+    dq = dq.astype(q.dtype)  # (with a scale operand it stays float32: Flag.SCALE_OPERAND)
+  dk, dv, *dscale = key_grads
+  return dq, dk.astype(q.dtype), dv.astype(q.dtype), (dscale[0] if dscale else None)
 
 
 # ---------------------------------------------------------------- zig-zag order

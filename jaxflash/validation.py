@@ -28,7 +28,8 @@ MAX_HEAD_DIM = 256
 class Call:
   """A validated call: the operands as the kernels take them (None: absent; the bias in the
   query dtype or float32, the lengths and segment ids in int32, the dropout's seed words, the
-  ALiBi slopes in float32), the static config, and whether the result is empty (a zero-size
+  ALiBi slopes in float32, a traced scale as the float32 (1,) scale operand: None when the scale
+  is static, config.scale then), the static config, and whether the result is empty (a zero-size
   axis), which the kernels are not called for."""
   q: jax.Array
   k: jax.Array
@@ -41,13 +42,14 @@ class Call:
   q_segment_ids: jax.Array | None
   kv_segment_ids: jax.Array | None
   alibi_slopes: jax.Array | None
+  scale: jax.Array | None
   config: KernelConfig
   is_empty: bool
 
   def optional_operands(self) -> tuple[jax.Array | None, ...]:
     """The optional operands in the kernels' order (contract.OPTIONAL_INPUTS)."""
     return (self.bias, self.mask, self.q_lens, self.kv_lens, self.seed, self.q_segment_ids,
-            self.kv_segment_ids, self.alibi_slopes)
+            self.kv_segment_ids, self.alibi_slopes, self.scale)
 
 
 def _shape_str(x) -> str:
@@ -97,15 +99,19 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
     if x.dtype != q.dtype:
       raise TypeError(f"jaxflash.attention: {name} dtype must equal the query dtype ({q.dtype}), "
                       f"got {x.dtype}")
-  if k.shape != v.shape:
-    raise ValueError(f"jaxflash.attention: value must have the shape of key {tuple(k.shape)}, "
-                     f"got {_shape_str(v)}")
+  # The value head dim may differ from the query/key one (attention only contracts q with k);
+  # every other axis is key's.
+  if v.shape[:-1] != k.shape[:-1]:
+    raise ValueError(f"jaxflash.attention: value must have the shape of key {tuple(k.shape)} "
+                     f"except in its last axis (the value head dim, which may differ from the "
+                     f"key's), got {_shape_str(v)}")
 
   # Name the axes (B, T, N, H); a 3-D call has B = 1, a single head also N = 1.
   def named_axes(shape):
     return tuple(shape) if rank == 4 else (1, *shape) if rank == 3 else (1, shape[0], 1, shape[1])
   B, T, N, H = named_axes(q.shape)
   Bk, S, K, Hk = named_axes(k.shape)
+  Hv = v.shape[-1]
   if Bk != B:
     raise ValueError(f"jaxflash.attention: key batch size must equal the query's ({B}), got "
                      f"{_shape_str(k)}")
@@ -115,6 +121,9 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   if H > MAX_HEAD_DIM:
     raise ValueError(f"jaxflash.attention: head dim (query.shape[-1]) must be <= {MAX_HEAD_DIM}, "
                      f"got {H}")
+  if Hv > MAX_HEAD_DIM:
+    raise ValueError(f"jaxflash.attention: value head dim (value.shape[-1]) must be <= "
+                     f"{MAX_HEAD_DIM}, got {Hv}")
   if K == 0 or N % K != 0:
     raise ValueError(f"jaxflash.attention: the number of query heads ({N}) must be a multiple of "
                      f"the number of key/value heads, got {K}")
@@ -132,10 +141,10 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
     instance_sizes = ()
     batch_role, head_role, kv_head_role = (), (), ()
 
-  def seq_layout(x, heads) -> Layout:
+  def seq_layout(shape, heads) -> Layout:
     roles = ((batch_role, ROW, heads, COL) if rank == 4 else
              (ROW, heads, COL) if rank == 3 else (ROW, COL))
-    return tuple(zip(roles, x.shape))
+    return tuple(zip(roles, shape))
 
   logits_roles = (batch_role, head_role, ROW, COL)[4 - rank:]
   logits_shape = (B, N, T, S)[4 - rank:]
@@ -214,15 +223,20 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
   slopes, slopes_layout = _alibi_slopes(alibi_slopes, rank, B, N, batch_role, head_role)
 
   window = _window(local_window_size, is_causal)
-  scale = _scale(scale, H)
+  scale, traced_scale = _scale(scale, H)
+  scale_operand = scale_layout = None
+  if traced_scale is not None:
+    # One scale shared by every instance: a size-1 axis of no instance axis (stride 0 along
+    # all of them), into which vmap's batching rule inserts the mapped axis.
+    scale_operand, scale_layout = jnp.reshape(traced_scale.astype(jnp.float32), (1,)), (((), 1),)
   softcap = _soft_cap(logits_soft_cap)
 
   flags = Flag.BOTTOM_RIGHT if mask_alignment == "bottom_right" else Flag(0)
   if exact_f32 and q.dtype == jnp.float32:
     flags |= Flag.EXACT_F32
-  layouts = {"q": seq_layout(q, head_role), "k": seq_layout(k, kv_head_role),
-             "v": seq_layout(v, kv_head_role)}
-  layouts["o"] = layouts["q"]
+  layouts = {"q": seq_layout(q.shape, head_role), "k": seq_layout(k.shape, kv_head_role),
+             "v": seq_layout(v.shape, kv_head_role),
+             "o": seq_layout(q.shape[:-1] + (Hv,), head_role)}  # q's rows, v's features
   layouts["lse"] = lse_layout(layouts["q"])
   for name, layout, flag in (("bias", bias_layout, Flag.HAS_BIAS),
                              ("mask", mask_layout, Flag.HAS_MASK),
@@ -230,11 +244,12 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
                              ("kv_lens", kv_lens_layout, Flag.HAS_KV_LENS),
                              ("q_segment_ids", q_ids_layout, Flag.HAS_SEGMENT_IDS),
                              ("kv_segment_ids", kv_ids_layout, Flag.HAS_SEGMENT_IDS),
-                             ("alibi_slopes", slopes_layout, Flag.HAS_ALIBI)):
+                             ("alibi_slopes", slopes_layout, Flag.HAS_ALIBI),
+                             ("scale", scale_layout, Flag.SCALE_OPERAND)):
     if layout is not None:
       layouts[name] = layout
       flags |= flag
-  is_empty = 0 in (B, T, S, N, H)
+  is_empty = 0 in (B, T, S, N, H, Hv)
 
   rate = _dropout_rate(dropout_rate)
   seed, keep_threshold, keep_scale = None, 0, 1.0
@@ -249,9 +264,10 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
       layouts["seed"] = tuple(zip(seed_roles, seed.shape))
       flags |= Flag.DROPOUT
   config = KernelConfig(instance_sizes=instance_sizes, layouts=tuple(sorted(layouts.items())),
-                        seq_dims=(T, S, H), scale=scale, window=window, flags=flags,
+                        seq_dims=(T, S, H, Hv), scale=scale, window=window, flags=flags,
                         keep_threshold=keep_threshold, keep_scale=keep_scale, softcap=softcap)
-  return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, q_ids, kv_ids, slopes, config, is_empty)
+  return Call(q, k, v, bias, mask, q_lens, kv_lens, seed, q_ids, kv_ids, slopes, scale_operand,
+              config, is_empty)
 
 
 def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_window_size, order,
@@ -272,7 +288,7 @@ def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_windo
   except NameError as e:
     raise ValueError(f"jaxflash.ring_attention: axis_name must name mesh axes of the enclosing "
                      f"shard_map, got {axis_name!r}") from e
-  T, S, _ = call.config.seq_dims
+  T, S = call.config.seq_dims[:2]
   if order == "zigzag" and call.config.window not in (ring_lib.OPEN, ring_lib.CAUSAL):
     raise ValueError(f"jaxflash.ring_attention: order='zigzag' balances causal attention; with "
                      f"local_window_size={local_window_size!r} use order='contiguous' (a "
@@ -474,14 +490,31 @@ def _soft_cap(logits_soft_cap) -> float:
   return cap
 
 
-def _scale(scale, head_dim: int) -> float:
+def _scale(scale, head_dim: int) -> tuple[float, jax.Array | None]:
+  """scale as (the kernels' static scale, the traced scale or None).
+
+  A Python or NumPy number, or an array that is not traced (a concrete jnp scalar), is a static
+  value: the kernels take it as their attribute, as always. A traced scalar (a learned
+  temperature under jit or grad) cannot be an attribute: the kernels read it from an operand
+  (contract.Flag.SCALE_OPERAND; docs/DESIGN.md, "A traced scale")."""
   if scale is None:
-    return float(1.0 / np.sqrt(head_dim))
+    return float(1.0 / np.sqrt(head_dim)), None
+  if isinstance(scale, (jax.Array, np.ndarray)):
+    if scale.ndim != 0:
+      raise ValueError(f"jaxflash.attention: scale must be a scalar (a float, or an array of "
+                       f"shape ()), got an array of {_shape_str(scale)}")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+      raise TypeError(f"jaxflash.attention: scale must be a float or a floating-point scalar "
+                      f"array (float32, float16, bfloat16, ...), got a {scale.dtype} array")
+    if isinstance(scale, jax.core.Tracer):
+      # Its value is unknown here, so it is not checked to be finite: a NaN or infinite
+      # traced scale gives NaN outputs (README, the scale argument).
+      return 1.0, scale  # the attribute is then unused
   try:
     value = float(scale)
-  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
-    raise TypeError(f"jaxflash.attention: scale must be a Python float (a static value, not a "
-                    f"traced array), got {scale!r}") from e
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"jaxflash.attention: scale must be a float or a floating-point scalar "
+                    f"array, got {scale!r}") from e
   if not np.isfinite(value):
     raise ValueError(f"jaxflash.attention: scale must be finite, got {scale!r}")
-  return value
+  return value, None

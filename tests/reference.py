@@ -29,7 +29,9 @@ jax.nn (README.md, "Differences from jax.nn.dot_product_attention"):
 It also supports mask_alignment="bottom_right", which jax.nn lacks, by building that mask
 explicitly and passing it as `mask`, and attention dropout, which jax.nn lacks too: the restated
 XLA path multiplies its probabilities by jaxflash.dropout_mask (the kernels' mask, restated in
-jnp; test_dropout checks the two agree bit for bit) over 1 - rate.
+jnp; test_dropout checks the two agree bit for bit) over 1 - rate. A value head dim other than
+the query's, which jax.nn refuses ("value shape should be ..."), has the reference computed by
+that restated path too (its einsums, in float32 at "highest" precision).
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ SAME_KERNEL_TOL = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-3), "bfloat16":
                    "tensorfloat32": (1e-4, 1e-5)}
 
 GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias",
-              "alibi_slopes": "dslopes"}
-DIFFERENTIABLE = ("query", "key", "value", "bias", "alibi_slopes")
+              "alibi_slopes": "dslopes", "scale": "dscale"}
+# "scale" is differentiable when the inputs hold it (a traced scale: a scalar array), else it is
+# a static keyword argument.
+DIFFERENTIABLE = ("query", "key", "value", "bias", "alibi_slopes", "scale")
 NON_DIFFERENTIABLE = ("mask", "query_seq_lengths", "key_value_seq_lengths", "dropout_rng",
                       "query_segment_ids", "key_value_segment_ids")
 # Passed to the attention function under test only where given: not every one takes them.
@@ -387,7 +391,7 @@ def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False, dropout4=N
   float32 probabilities (as Flax applies its dropout to the attention weights).
   softcap: None, or the logit soft-cap, applied to the float32 logits (as a model that caps
   them in jnp before its softmax does)."""
-  B, T, N, H = q4.shape
+  B, T, N, _ = q4.shape
   S, K = k4.shape[1], k4.shape[2]
   logits = _logits(q4, k4, bias4, scale, None, tf32, softcap)
   large_negative = jnp.float32(-0.7 * np.finfo(np.float32).max)
@@ -397,7 +401,7 @@ def _xla_path_restated(q4, k4, v4, bias4, visible, scale, tf32=False, dropout4=N
   probs = probs.astype(v4.dtype)
   probs = jnp.reshape(probs, (B, K, N // K, T, S))
   out = _einsum("bkgts,bskh->btkgh", probs, v4, tf32=tf32)
-  return jnp.reshape(out, (B, T, N, H))
+  return jnp.reshape(out, (B, T, N, v4.shape[-1]))  # the value's head dim
 
 
 def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -411,7 +415,8 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
   compute_dtype: None computes in the input dtype, else inputs are upcast to it first.
   precision: a jax.default_matmul_precision name, or None for the default.
   use_jax_nn: call jax.nn (XLA implementation) itself, else _xla_path_restated (always, with
-    dropout or a soft-cap, which jax.nn does not have).
+    dropout, a soft-cap or a value head dim other than the query's, which jax.nn does not
+    take).
   tf32: round every matmul operand to tf32 (only with use_jax_nn=False).
   dropout_rate, dropout_rng, broadcast_dropout, logits_soft_cap, query_segment_ids,
     key_value_segment_ids, alibi_slopes: jaxflash.attention's (jax.nn gets the segment ids as
@@ -423,7 +428,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
   if compute_dtype is not None:
     query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
     bias = None if bias is None else bias.astype(compute_dtype)
-  if logits_soft_cap is not None:
+  if logits_soft_cap is not None or value.shape[-1] != query.shape[-1]:
     use_jax_nn = False
   dropout4 = None
   if dropout_rate > 0.0:
@@ -467,7 +472,7 @@ def _attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal
     # Our convention: rows with no visible key are 0. Multiplying (not jnp.where) keeps the
     # gradient of those rows exactly 0 as well.
     out = out * row_visible[..., None].astype(out.dtype)
-    out = jnp.reshape(out, query.shape)
+    out = jnp.reshape(out, query.shape[:-1] + value.shape[-1:])
     if not return_residual:
       return out
     lax_precision = jax.lax.Precision.HIGHEST if precision == "highest" else None
@@ -598,10 +603,16 @@ def _f32(x):
 
 
 def assert_close(ours, ref, baseline, dtype, what: str, *, factor: float = 2.0,
-                 floor: float = 1.0):
+                 floor: float = 1.0, summed_terms: int = 1):
   """FlashAttention's rule: max|ours - ref| <= factor * max|baseline - ref| + atol, with
   atol = ATOL_FACTOR[dtype] * max(floor, max|ref|); `dtype` is the compute dtype: the query
   dtype, or "tensorfloat32" (compute_name).
+
+  `summed_terms`: a result that is one float32 sum of that many products of magnitude `floor`
+  (the scale's gradient, over every element of q) also carries their accumulation-order noise,
+  which grows like the square root of their count: atol adds ATOL_FACTOR["float32"] *
+  sqrt(summed_terms) * floor. (Where such a sum cancels to exactly 0, e.g. one visible key, the
+  baseline's autodiff cancels bit for bit and ours, summed in another order, does not.)
 
   `floor` is the magnitude of the terms a result is summed from when the result itself can
   cancel to ~0 (a gradient through a near one-hot softmax, e.g. dk when only one key is
@@ -635,6 +646,7 @@ def assert_close(ours, ref, baseline, dtype, what: str, *, factor: float = 2.0,
   base_err = float(np.max(np.where(finite & np.isfinite(base), base, 0.0)))
   max_ref = float(np.max(np.abs(ref[finite])))
   atol = ATOL_FACTOR[dtype] * max(floor, max_ref)
+  atol += ATOL_FACTOR["float32"] * math.sqrt(summed_terms) * floor if summed_terms > 1 else 0.0
   worst = np.unravel_index(np.argmax(err), err.shape)
   max_err = float(err[worst])
   bound = factor * base_err + atol

@@ -15,6 +15,7 @@ import pytest
 
 import jaxflash
 from jaxflash import kernels, validation
+from jaxflash.contract import Flag
 
 B, T, S, N, K, H = 2, 8, 12, 4, 2, 16
 
@@ -53,6 +54,9 @@ ERROR_CASES = {
     "batch_mismatch": (dict(key=_array((3, S, K, H)), value=_array((3, S, K, H))),
                        r"batch|query|key", [r"2", r"3"]),
     "seq_mismatch_key_value": (dict(value=_array((B, S + 1, K, H))), r"value|key", [r"13"]),
+    # The value head dim may differ from the query/key one, up to 256 like it.
+    "value_head_dim_above_256": (dict(value=_array((B, S, K, 320))), r"value",
+                                 [r"320", r"256"]),
     "kv_heads_mismatch_key_value": (dict(value=_array((B, S, 1, H))), r"value|key", [r"1"]),
     "bias_not_broadcastable": (dict(bias=_array((1, 1, T - 1, S))), r"bias", [r"7"]),
     "bias_rank_5": (dict(bias=_array((1, 1, 1, T, S))), r"bias", [r"5|\(1, 1, 1, 8, 12\)"]),
@@ -81,6 +85,14 @@ ERROR_CASES = {
     "implementation_xla": (dict(implementation="xla"), r"implementation", [r"xla"]),
     "mask_alignment_middle": (dict(mask_alignment="middle"), r"mask_alignment", [r"middle"]),
     "scale_not_a_number": (dict(scale="large"), r"scale", [r"large"]),
+    "scale_nan": (dict(scale=float("nan")), r"scale", [r"nan", r"finite"]),
+    "scale_complex": (dict(scale=1j), r"scale", [r"1j", r"float"]),
+    # Arrays: traced under jit (the learned-temperature case), concrete when eager.
+    "scale_not_scalar": (dict(scale=np.ones((2,), np.float32)), r"scale", [r"\(2,\)", r"\(\)"]),
+    "scale_shape_1": (dict(scale=np.ones((1,), np.float32)), r"scale", [r"\(1,\)", r"\(\)"]),
+    "scale_int32_array": (dict(scale=np.array(2, np.int32)), r"scale", [r"int32", r"float"]),
+    "scale_complex_array": (dict(scale=np.array(1 + 1j, np.complex64)), r"scale",
+                            [r"complex64", r"float"]),
     "precision_unknown_name": (dict(precision="fp64"), r"precision", [r"fp64", r"highest"]),
     "precision_not_a_name": (dict(precision=3), r"precision", [r"\b3\b"]),
     "soft_cap_zero": (dict(logits_soft_cap=0.0), r"logits_soft_cap", [r"0\.0", r"> 0"]),
@@ -200,13 +212,32 @@ def test_non_finite_alibi_slopes_raise(bad, backend):
     jaxflash.attention(**_valid(), alibi_slopes=slopes)
 
 
-def test_alibi_on_cuda_is_refused_naming_the_argument():
-  """The CUDA kernels have no ALiBi yet: lowering a call with slopes for a GPU raises, naming
-  alibi_slopes, never a kernel that ignores them (checked on the config, so it runs in every
-  build; test_attention checks the lowering itself on a GPU)."""
-  config = validation.validate(**_valid(), alibi_slopes=np.ones((N,), np.float32)).config
-  with pytest.raises(NotImplementedError, match=r"alibi_slopes run on the CPU kernels only"):
-    kernels._check_cuda_call(config)
+# What the CUDA kernels do not have yet: (overrides of the valid call, extra flags, the
+# refusal's pattern). They run ALiBi, but not its slopes' gradient (HAS_DALIBI, a backward's).
+CPU_ONLY_CASES = {
+    "alibi_slopes_gradient": (dict(alibi_slopes=np.ones((N,), np.float32)), Flag.HAS_DALIBI,
+                              r"gradient of alibi_slopes"),
+    "value_head_dim": (dict(value=_array((B, S, K, 2 * H))), Flag(0),
+                       rf"value head dim \(value.shape\[-1\] = {2 * H}\) other than the query/key "
+                       rf"head dim \({H}\) runs on the CPU kernels only"),
+}
+
+
+@pytest.mark.parametrize("name", list(CPU_ONLY_CASES))
+def test_cpu_only_features_on_cuda_are_refused_naming_the_argument(name):
+  """Lowering a call for a GPU with what the CUDA kernels do not have yet raises, naming the
+  argument, never a kernel that ignores it (checked on the config, so it runs in every build;
+  test_attention checks the lowering itself on a GPU)."""
+  overrides, flags, pattern = CPU_ONLY_CASES[name]
+  config = validation.validate(**dict(_valid(), **overrides)).config
+  with pytest.raises(NotImplementedError, match=pattern):
+    kernels._check_cuda_call(config.replace(flags=config.flags | flags))
+
+
+def test_alibi_without_its_gradient_lowers_for_cuda():
+  """The forward and a backward that does not differentiate the slopes lower for a GPU."""
+  kernels._check_cuda_call(
+      validation.validate(**_valid(), alibi_slopes=np.ones((N,), np.float32)).config)
 
 
 def test_largest_window_equals_no_window(backend):

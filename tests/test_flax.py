@@ -24,7 +24,7 @@ from flax import linen, nnx
 
 import jaxflash
 import reference
-from jaxflash import flax_adapter
+from jaxflash import flax_adapter, primitives
 
 BATCH, LENGTH, FEATURES, NUM_HEADS, QKV_FEATURES = 2, 24, 32, 4, 64  # head dim 16
 
@@ -40,6 +40,13 @@ def _key_padding_mask(api, dtype):
   return api.make_attention_mask(jnp.ones((BATCH, LENGTH), jnp.bool_), kv_valid, dtype=dtype)
 
 
+def _packed_mask(api, dtype):
+  """Documents packed along each row (no padding, see above): make_attention_mask of the
+  segment ids with jnp.equal, as Flax models build it."""
+  q_ids, kv_ids = jaxflash.segment_ids_from_lengths(jnp.array([[5, 11, 8], [9, 2, 13]]), LENGTH)
+  return api.make_attention_mask(q_ids, kv_ids, jnp.equal, dtype=dtype)
+
+
 def _random_mask(api, dtype):
   """No structure jaxflash recognises: reaches the kernels as a dense mask."""
   mask = jax.random.bernoulli(jax.random.key(7), 0.7, (BATCH, 1, LENGTH, LENGTH))
@@ -47,7 +54,8 @@ def _random_mask(api, dtype):
 
 
 # Each: the module's mask (from the module API's own helpers), or None. flax_attention runs the
-# causal and padding ones as is_causal / sequence lengths, the random one as a dense mask.
+# causal and padding ones as is_causal / sequence lengths, the packed ones as segment ids (and
+# is_causal), the random one as a dense mask.
 MASKINGS = {
     "no_mask": lambda api: None,
     "causal_mask_float": lambda api: _causal_mask(api, jnp.float32),
@@ -55,8 +63,13 @@ MASKINGS = {
     "key_padding": lambda api: _key_padding_mask(api, jnp.bool_),
     "causal_key_padding": lambda api: api.combine_masks(_causal_mask(api, jnp.bool_),
                                                         _key_padding_mask(api, jnp.bool_)),
+    "packed": lambda api: _packed_mask(api, jnp.float32),
+    "causal_packed": lambda api: api.combine_masks(_causal_mask(api, jnp.bool_),
+                                                   _packed_mask(api, jnp.bool_)),
     "random_mask": lambda api: _random_mask(api, jnp.float32),
 }
+# One masking per kernel call that flax_attention picks: none, lengths, segment ids, the mask.
+KERNEL_CALLS = ["no_mask", "causal_key_padding", "causal_packed", "random_mask"]
 
 
 def tf32_attention_fn(query, key, value, bias=None, mask=None, *, dropout_rate=0.0,
@@ -177,8 +190,8 @@ def test_flax_module_with_jaxflash_matches_default(api, masking, dtype, backend,
 
 
 def _structure(mask):
-  kind, q_len, kv_len = jax.jit(flax_adapter.mask_structure)(jnp.asarray(mask, jnp.bool_))
-  return int(kind), q_len.tolist(), kv_len.tolist()
+  found = jax.jit(flax_adapter.mask_structure)(jnp.asarray(mask, jnp.bool_))
+  return int(found.kind), found.query_seq_lengths.tolist(), found.key_value_seq_lengths.tolist()
 
 
 def test_mask_structure_recognises_causal_and_prefix_padding_masks():
@@ -197,10 +210,210 @@ def test_mask_structure_recognises_causal_and_prefix_padding_masks():
   assert _structure(causal & padding) == (fa.CAUSAL_PADDING, [5, 3], [5, 3])
   kind, q_len, kv_len = _structure(jnp.zeros((2, t_len, s_len), jnp.bool_))  # both structures fit
   assert kind != fa.DENSE and q_len == kv_len == [0, 0]
-  # Left padding, a window, one stray element: dense.
-  assert _structure(jnp.broadcast_to(s >= 2, (2, t_len, s_len)))[0] == fa.DENSE
+  # Left padding is not prefix padding, but segments (keys 0 and 1 in none).
+  assert _structure(jnp.broadcast_to(s >= 2, (2, t_len, s_len)))[0] == fa.SEGMENTS
+  # A window, one stray element: dense.
   assert _structure(causal & (s >= t - 1))[0] == fa.DENSE
   assert _structure(padding.at[1, 4, 0].set(True))[0] == fa.DENSE
+
+
+def _packed_ids(lengths, total):
+  return jaxflash.segment_ids_from_lengths(jnp.array(lengths), total)
+
+
+def _segment_mask(q_ids, kv_ids, causal=False):
+  """(B, T, S): query t sees key s where their ids are equal (and s <= t when causal)."""
+  mask = q_ids[:, :, None] == kv_ids[:, None, :]
+  t, s = np.arange(q_ids.shape[1])[:, None], np.arange(kv_ids.shape[1])[None, :]
+  return mask & (s <= t) if causal else mask
+
+
+# Rows of documents packed from position 0, some with padding after them, an empty document, a
+# row of one document, for T = 37 (T = 53 for the cross-attention keys).
+PACKED_37 = [[10, 1, 0, 20], [37, 0, 0, 0], [5, 5, 5, 5]]
+PACKED_53 = [[30, 13, 0, 0], [1, 52, 0, 0], [2, 2, 2, 40]]
+
+# Each: () -> a (B, T, S) mask of the segment form, and the kind mask_structure must find.
+SEGMENT_MASKS = {
+    "packed": (lambda: _segment_mask(*_packed_ids(PACKED_37, 37)), flax_adapter.SEGMENTS),
+    "causal_packed": (lambda: _segment_mask(*_packed_ids(PACKED_37, 37), causal=True),
+                      flax_adapter.CAUSAL_SEGMENTS),
+    # make_attention_mask(ids, ids): the padding queries see the padding keys, one more document.
+    "padding_as_a_document": (lambda: _segment_mask(*(_packed_ids(PACKED_37, 37)[0],) * 2),
+                              flax_adapter.SEGMENTS),
+    "cross_attention": (lambda: _segment_mask(_packed_ids(PACKED_37, 37)[0],
+                                              _packed_ids(PACKED_53, 53)[1]),
+                        flax_adapter.SEGMENTS),
+    "causal_cross_attention": (lambda: _segment_mask(_packed_ids(PACKED_37, 37)[0],
+                                                     _packed_ids(PACKED_53, 53)[1], causal=True),
+                               flax_adapter.CAUSAL_SEGMENTS),
+    # Not contiguous: the mask is still exactly "equal ids", only the kernels skip fewer tiles.
+    "documents_interleaved": (lambda: _segment_mask(*(jnp.arange(37)[None, :] % jnp.array(
+        [[1], [2], [3]]),) * 2), flax_adapter.SEGMENTS),
+}
+
+
+@pytest.mark.parametrize("name", SEGMENT_MASKS)
+def test_mask_structure_recognises_segment_masks(name):
+  """The derived ids reproduce the mask exactly (with s <= t for the causal kind), padding
+  queries and keys get the packing convention's ids."""
+  make_mask, expected_kind = SEGMENT_MASKS[name]
+  mask = make_mask()
+  found = jax.jit(flax_adapter.mask_structure)(mask)
+  assert int(found.kind) == expected_kind
+  q_ids, kv_ids = found.query_segment_ids, found.key_value_segment_ids
+  assert q_ids.shape == mask.shape[:2] and kv_ids.shape == mask.shape[::2]
+  causal = expected_kind == flax_adapter.CAUSAL_SEGMENTS
+  assert jnp.array_equal(_segment_mask(q_ids, kv_ids, causal=causal), mask)
+  assert jnp.array_equal(q_ids == jaxflash.packing.QUERY_PADDING_ID, ~jnp.any(mask, axis=2))
+  assert jnp.array_equal(kv_ids == jaxflash.packing.KEY_VALUE_PADDING_ID, ~jnp.any(mask, axis=1))
+
+
+def _causal_packed_37():
+  return _segment_mask(*_packed_ids(PACKED_37, 37), causal=True)
+
+
+def _window(mask, size):
+  t, s = np.arange(mask.shape[1])[:, None], np.arange(mask.shape[2])[None, :]
+  return mask & (s >= t - size)
+
+
+# Masks one step away from the segment form: each must be classified DENSE.
+NEAR_MISSES = {
+    "one_element_cleared": lambda: _causal_packed_37().at[0, 20, 15].set(False),
+    "one_element_set": lambda: _causal_packed_37().at[0, 20, 3].set(True),
+    # Document 3 of row 0 (keys 11-30) also sees the last key of document 0.
+    "overlapping_documents": lambda: _causal_packed_37().at[0, 11:31, 9].set(True),
+    "one_document_not_causal": lambda: _causal_packed_37().at[2, 5:10, 5:10].set(True),
+    "window_inside_documents": lambda: _window(_causal_packed_37(), 4),
+}
+
+
+@pytest.mark.parametrize("name", NEAR_MISSES)
+def test_mask_structure_finds_near_misses_dense(name):
+  assert _structure(NEAR_MISSES[name]())[0] == flax_adapter.DENSE
+
+
+def _equations(jaxpr, predicate):
+  """The equations of `jaxpr` and of every jaxpr nested in it for which predicate(eqn)."""
+  for eqn in jaxpr.eqns:
+    if predicate(eqn):
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _equations(sub.jaxpr, predicate)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _equations(sub, predicate)
+
+
+_is_kernel_call = lambda eqn: eqn.primitive in (primitives.forward_p, primitives.backward_p)
+# flax_attention's switch over the mask kinds (not the conds that pick a platform's lowering).
+_is_switch = lambda eqn: (eqn.primitive.name == "cond" and not eqn.params.get("branches_platforms")
+                          and len(eqn.params["branches"]) == flax_adapter.CAUSAL_SEGMENTS + 1)
+
+
+def _has_mask_operand(call, t_len, s_len):
+  return any(tuple(x.aval.shape[-2:]) == (t_len, s_len) for x in call.invars)
+
+
+@pytest.mark.parametrize("masking", ["packed", "causal_packed"])
+def test_segment_mask_reaches_the_kernels_as_ids(masking):
+  """In the jaxpr of the forward and backward, the switch's segment branch calls the kernels
+  with (B, T) ids and no T×S operand; its dense branch (the check's control) has the mask; a
+  per-head mask is not classified (no switch) and reaches the kernels as it is."""
+  t_len = 37
+  q = jnp.ones((BATCH, t_len, NUM_HEADS, 16))
+  q_ids, kv_ids = _packed_ids(PACKED_37[:BATCH], t_len)
+  mask = nnx.make_attention_mask(q_ids, kv_ids, jnp.equal, dtype=jnp.bool_)
+  causal = masking == "causal_packed"
+  if causal:
+    mask = nnx.combine_masks(mask, nnx.make_causal_mask(q_ids, dtype=jnp.bool_))
+  kind = flax_adapter.CAUSAL_SEGMENTS if causal else flax_adapter.SEGMENTS
+  assert _structure(mask[:, 0])[0] == kind
+
+  loss = lambda q, mask: jnp.sum(jaxflash.flax_attention(q, q, q, mask=mask))
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(q, mask).jaxpr
+  switches = list(_equations(jaxpr, _is_switch))
+  assert len(switches) == 2, "a forward and a backward switch"
+  for switch in switches:
+    segment_calls = list(_equations(switch.params["branches"][kind].jaxpr, _is_kernel_call))
+    dense_calls = list(_equations(switch.params["branches"][flax_adapter.DENSE].jaxpr,
+                                  _is_kernel_call))
+    assert segment_calls and dense_calls
+    for call in segment_calls:
+      assert not _has_mask_operand(call, t_len, t_len), call
+      ids = [x.aval for x in call.invars if x.aval.shape == (BATCH, t_len)]
+      assert len(ids) == 2 and all(a.dtype == jnp.int32 for a in ids), call
+    assert all(_has_mask_operand(call, t_len, t_len) for call in dense_calls)
+
+  per_head = jnp.broadcast_to(mask, (BATCH, NUM_HEADS, t_len, t_len))
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(q, per_head).jaxpr
+  assert not list(_equations(jaxpr, _is_switch))
+  calls = list(_equations(jaxpr, _is_kernel_call))
+  assert len(calls) == 2 and all(_has_mask_operand(call, t_len, t_len) for call in calls)
+
+
+def _packed_module_mask(api, t_len, causal):
+  """(B, 1, T, T) for three rows of packed documents (padding after them, an empty document,
+  one document filling the row), from the module API's helpers."""
+  lengths = [[t_len // 3, 1, t_len // 4, t_len // 5], [t_len, 0, 0, 0], [2, 0, t_len // 2, 3]]
+  q_ids, kv_ids = jaxflash.segment_ids_from_lengths(jnp.array(lengths), t_len)
+  mask = api.make_attention_mask(q_ids, kv_ids, jnp.equal, dtype=jnp.bool_)
+  return api.combine_masks(mask, api.make_causal_mask(q_ids, dtype=jnp.bool_)) if causal else mask
+
+
+PACKED_CASES = [(api, causal, length, dtype) for api in RUNNERS for causal in (False, True)
+                for length, dtype in ((37, "float32"), (113, "bfloat16"))]
+
+
+@pytest.mark.parametrize("api,causal,length,dtype", PACKED_CASES,
+                         ids=[f"{a}-{'causal' if c else 'bidirectional'}-T{t}-{d}"
+                              for a, c, t, d in PACKED_CASES])
+def test_flax_module_with_packed_mask_matches_the_dense_mask_path(api, causal, length, dtype,
+                                                                  backend, device):
+  """A module's block-diagonal (documents, padding) mask runs as segment ids: the output and the
+  gradients (parameters and inputs) match the same module given the mask per head, which
+  flax_attention passes to the kernels as it is. Padding rows output 0 on both paths (Flax's
+  default attention would average the values there, so it is not the baseline here)."""
+  flax_api, runner, _ = RUNNERS[api]
+  x, cotangent, mask = reference.made_on_cpu(device, lambda: (
+      *reference.random_inputs(jax.random.key(8), dict(x=(3, length, FEATURES),
+                                                       ct=(3, length, FEATURES)), dtype).values(),
+      _packed_module_mask(flax_api, length, causal)))
+  expected_kind = flax_adapter.CAUSAL_SEGMENTS if causal else flax_adapter.SEGMENTS
+  assert _structure(mask[:, 0])[0] == expected_kind
+
+  params, apply = reference.on_cpu(runner, jaxflash.flax_attention, dtype, {})
+  params = jax.device_put(params, device)
+  packed = _forward_and_grads(apply, params, x, mask, cotangent)
+  per_head = jnp.broadcast_to(mask, (3, NUM_HEADS, length, length))
+  dense = _forward_and_grads(apply, params, x, per_head, cotangent)
+  for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(packed),
+                                    jax.tree.leaves(dense)):
+    reference.assert_same_kernel(ours, expected, dtype, jax.tree_util.keystr(path))
+
+
+def _adapter_inputs(seed: int, device, dtype="float32", value_head_dim=16, amplitude=1):
+  """Random q, k, v of (BATCH, LENGTH, NUM_HEADS, 16) (v: value_head_dim features), times
+  `amplitude`, on `device`."""
+  inputs = reference.random_inputs(jax.random.key(seed), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                              k=(BATCH, LENGTH, NUM_HEADS, 16),
+                                                              v=(BATCH, LENGTH, NUM_HEADS,
+                                                                 value_head_dim)), dtype)
+  return tuple(jax.device_put(amplitude * x, device) for x in inputs.values())
+
+
+@pytest.mark.parametrize("masking", ["key_padding", "packed"])
+def test_flax_attention_is_causal_on_top_of_a_structured_mask(masking, backend, device):
+  """nnx's is_causal with a padding or packed mask: the lengths or ids call becomes its causal
+  variant, the same as the dense mask combined with a causal one."""
+  q, k, v = _adapter_inputs(9, device)
+  mask = MASKINGS[masking](nnx).astype(jnp.bool_)
+  ours = jax.jit(lambda q, k, v: jaxflash.flax_attention(q, k, v, mask=mask,
+                                                         is_causal=True))(q, k, v)
+  expected = jaxflash.attention(q, k, v, mask=mask & _causal_mask(nnx, jnp.bool_))
+  np.testing.assert_allclose(ours, expected, *reference.SAME_KERNEL_TOL["float32"])
 
 
 def test_flax_attention_merges_batch_axes_and_casts_dtype(device):
@@ -224,17 +437,13 @@ def test_flax_attention_merges_batch_axes_and_casts_dtype(device):
   reference.assert_close(out.reshape((6,) + out.shape[2:]), ref, base, "bfloat16", "out")
 
 
-@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+@pytest.mark.parametrize("masking", KERNEL_CALLS)
 @pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "per_head"])
 def test_flax_attention_passes_dropout_to_the_kernels(masking, broadcast, device):
   """Dropout (rate > 0, not deterministic) is jaxflash.attention's, bit for bit, whichever
   kernel the mask classification picks (the mask depends on positions only); deterministic=True
   or rate 0 is no dropout."""
-  inputs = reference.random_inputs(jax.random.key(4), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
-                                   "bfloat16")
-  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  q, k, v = _adapter_inputs(4, device, "bfloat16")
   mask = MASKINGS[masking](nnx)
   rng = jax.random.key(21)
   ours = jax.jit(lambda q, k, v, rng: jaxflash.flax_attention(
@@ -250,15 +459,11 @@ def test_flax_attention_passes_dropout_to_the_kernels(masking, broadcast, device
     assert jnp.array_equal(off, jaxflash.attention(q, k, v, mask=dense))
 
 
-@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+@pytest.mark.parametrize("masking", KERNEL_CALLS)
 def test_flax_attention_passes_the_soft_cap(masking, backend, device):
   """logits_soft_cap, bound with functools.partial, is jaxflash.attention's whichever kernel
   call the mask classification picks."""
-  inputs = reference.random_inputs(jax.random.key(5), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
-                                   "float32")
-  q, k, v = (jax.device_put(3 * x, device) for x in inputs.values())
+  q, k, v = _adapter_inputs(5, device, amplitude=3)
   mask = MASKINGS[masking](nnx)
   capped = functools.partial(jaxflash.flax_attention, logits_soft_cap=2.0)
   ours = jax.jit(lambda q, k, v: capped(q, k, v, mask=mask))(q, k, v)
@@ -268,15 +473,11 @@ def test_flax_attention_passes_the_soft_cap(masking, backend, device):
   assert not np.allclose(ours, jaxflash.attention(q, k, v, mask=dense), atol=1e-3)
 
 
-@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+@pytest.mark.parametrize("masking", KERNEL_CALLS)
 def test_flax_attention_passes_segment_ids(masking, backend, device):
   """Segment ids bound with functools.partial are jaxflash.attention's, combined with the
   module's mask whichever kernel call its classification picks, also with two batch axes."""
-  inputs = reference.random_inputs(jax.random.key(6), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
-                                   "float32")
-  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  q, k, v = _adapter_inputs(6, device)
   mask = MASKINGS[masking](nnx)
   lengths = np.tile(np.array([[3, LENGTH // 2, 1]]), (BATCH, 1))
   q_ids, kv_ids = jaxflash.segment_ids_from_lengths(lengths, LENGTH)
@@ -295,18 +496,13 @@ def test_flax_attention_passes_segment_ids(masking, backend, device):
   np.testing.assert_allclose(ours_2[0], expected_2, *reference.SAME_KERNEL_TOL["float32"])
 
 
-@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+@pytest.mark.parametrize("masking", KERNEL_CALLS)
 def test_flax_attention_passes_alibi_slopes(masking, backend, device):
   """ALiBi slopes bound with functools.partial are jaxflash.attention's, per head ((N,)) or per
   batch item and head ((batch..., N), two batch axes merged), whichever kernel call the mask's
-  classification picks; the slopes' gradient flows through the adapter."""
-  if backend == "cuda":
-    pytest.skip("the CUDA kernels have no ALiBi yet (test_attention checks the refusal)")
-  inputs = reference.random_inputs(jax.random.key(7), dict(q=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           k=(BATCH, LENGTH, NUM_HEADS, 16),
-                                                           v=(BATCH, LENGTH, NUM_HEADS, 16)),
-                                   "float32")
-  q, k, v = (jax.device_put(x, device) for x in inputs.values())
+  classification picks; the slopes' gradient flows through the adapter (CPU kernels only: on
+  CUDA, where the slopes have no gradient yet, the forward alone)."""
+  q, k, v = _adapter_inputs(7, device)
   mask = MASKINGS[masking](nnx)
   dense = None if mask is None else mask.astype(jnp.bool_)
   slopes = jax.device_put(jnp.linspace(0.05, 0.8, BATCH * NUM_HEADS).reshape(BATCH, NUM_HEADS),
@@ -316,11 +512,34 @@ def test_flax_attention_passes_alibi_slopes(masking, backend, device):
                                                               alibi_slopes=s))(q, k, v, given)
     expected = jaxflash.attention(q, k, v, mask=dense, alibi_slopes=given)
     np.testing.assert_allclose(ours, expected, *reference.SAME_KERNEL_TOL["float32"])
+  if backend == "cuda":
+    return
   two_axes = lambda x: x.reshape((1,) + x.shape)  # batch (1, BATCH)
   loss = lambda s: jnp.sum(jaxflash.flax_attention(two_axes(q), two_axes(k), two_axes(v),
                                                    alibi_slopes=two_axes(s)) ** 2)
   expected_loss = lambda s: jnp.sum(jaxflash.attention(q, k, v, alibi_slopes=s) ** 2)
   np.testing.assert_allclose(jax.grad(loss)(slopes), jax.grad(expected_loss)(slopes),
+                             *reference.SAME_KERNEL_TOL["float32"])
+
+
+@pytest.mark.parametrize("masking", ["no_mask", "causal_key_padding", "random_mask"])
+def test_flax_attention_takes_a_value_head_dim(masking, backend, device):
+  """A value head dim (24) other than the query/key one (16) is jaxflash.attention's whichever
+  kernel call the mask's classification picks, the output shaped with it, also with two batch
+  axes."""
+  if backend == "cuda":
+    pytest.skip("the CUDA kernels take no value head dim other than the query's yet "
+                "(test_attention checks the refusal)")
+  q, k, v = _adapter_inputs(8, device, value_head_dim=24)
+  mask = MASKINGS[masking](nnx)
+  dense = None if mask is None else mask.astype(jnp.bool_)
+  ours = jax.jit(lambda q, k, v: jaxflash.flax_attention(q, k, v, mask=mask))(q, k, v)
+  assert ours.shape == (BATCH, LENGTH, NUM_HEADS, 24)
+  np.testing.assert_allclose(ours, jaxflash.attention(q, k, v, mask=dense),
+                             *reference.SAME_KERNEL_TOL["float32"])
+  two_axes = lambda x: x.reshape((1,) + x.shape)  # batch (1, BATCH)
+  ours_2 = jaxflash.flax_attention(two_axes(q), two_axes(k), two_axes(v))
+  np.testing.assert_allclose(ours_2[0], jaxflash.attention(q, k, v),
                              *reference.SAME_KERNEL_TOL["float32"])
 
 

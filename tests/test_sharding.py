@@ -72,11 +72,13 @@ class ShardCase:
   S: int = 64
   N: int = 4
   K: int = 2
+  Hv: int = H  # the value head dim (another than H: CPU kernels only so far)
   bias: tuple | None = None
   mask: tuple | None = None
   lengths: bool = False
   segments: bool = False  # packed sequences: segment ids of documents of 1 to 24 positions
   alibi: tuple | None = None  # the shape of alibi_slopes ((N,) or (B, N)); None: no ALiBi
+  traced_scale: bool = False  # scale as a differentiated float32 scalar (replicated)
   options: tuple = ()  # attention keyword arguments, as (name, value) pairs
   local: bool = True   # batch/heads only: no all-gather or all-to-all
   ring: bool = False   # the sequence is sharded and ring attention computes it
@@ -115,6 +117,15 @@ CASES = {
         T=37, S=45, bias=(1, 4, 37, 45), mask=(8, 1, 37, 45), lengths=True),
     "batch_dropout": ShardCase(False, dict(query=P("x"), key=P("x"), value=P("x")), T=37, S=37,
                                options=(("dropout_rate", 0.2), ("is_causal", True))),
+    # A traced scale: its operand replicated beside the batch-sharded q, k and v (nothing
+    # gathered), its gradient a psum; and on the automatic ring of a sharded sequence.
+    "batch_traced_scale": ShardCase(False, dict(query=P("x"), key=P("x"), value=P("x")), T=37,
+                                    S=37, traced_scale=True, options=(("is_causal", True),)),
+    "sequence_causal_traced_scale": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
+                                                          value=P(None, "x")),
+                                              B=2, traced_scale=True,
+                                              options=(("is_causal", True),), local=False,
+                                              ring=True),
     "sequence_causal_gqa": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
                                                  value=P(None, "x")),
                                      B=2, options=(("is_causal", True),), local=False, ring=True),
@@ -180,6 +191,18 @@ CASES = {
     "sequence_alibi_gathered": ShardCase(
         False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")),
         B=2, alibi=(4,), options=(("is_causal", True),), local=False),
+    # A value head dim other than the query/key one (its own factor, replicated like h): with
+    # batch and GQA heads sharded, MQA heads (dv a psum over the devices), and ring attention,
+    # whose merge and travelling dV carry it.
+    "batch_and_gqa_heads_value_head_dim": ShardCase(
+        True, dict(query=P("data", None, "model"), key=P("data", None, "model"),
+                   value=P("data", None, "model")),
+        B=4, N=8, K=4, T=37, S=45, Hv=24, options=(("is_causal", True),)),
+    "heads_mqa_value_head_dim": ShardCase(False, dict(query=P(None, None, "x")), B=2, N=8, K=1,
+                                          T=37, S=29, Hv=48),
+    "sequence_causal_value_head_dim": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2, Hv=24,
+        options=(("is_causal", True),), local=False, ring=True),
     "sequence_cross_window_gathered": ShardCase(False, dict(query=P(None, "x"), key=P(None, "x"),
                                                             value=P(None, "x")),
                                                 B=2, T=64, S=32,
@@ -232,7 +255,7 @@ def _inputs(case: ShardCase, dtype, device):
   def make():
     key = jax.random.key(0)
     shapes = dict(query=(case.B, case.T, case.N, H), key=(case.B, case.S, case.K, H),
-                  value=(case.B, case.S, case.K, H), bias=case.bias)
+                  value=(case.B, case.S, case.K, case.Hv), bias=case.bias)
     inputs = reference.random_inputs(key, shapes, dtype)
     inputs["mask"] = (reference.random_mask(jax.random.fold_in(key, 1), case.mask)
                       if case.mask else None)
@@ -248,8 +271,10 @@ def _inputs(case: ShardCase, dtype, device):
       inputs["key_value_segment_ids"] = jaxflash.segment_ids_from_lengths(lengths, case.S)[1]
     inputs["alibi_slopes"] = (jax.random.uniform(jax.random.fold_in(key, 6), case.alibi,
                                                  jnp.float32, 0.05, 1.0) if case.alibi else None)
-    cotangent = jax.random.normal(jax.random.fold_in(key, 4), shapes["query"], jnp.float32
-                                  ).astype(dtype)
+    if case.traced_scale:
+      inputs["scale"] = jnp.asarray(0.3, jnp.float32)
+    cotangent = jax.random.normal(jax.random.fold_in(key, 4), (case.B, case.T, case.N, case.Hv),
+                                  jnp.float32).astype(dtype)
     return inputs, cotangent
   return reference.made_on_cpu(device, make)
 
@@ -300,8 +325,11 @@ def _all_gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_equals_single_device(name, dtype, backend, device):
   case = CASES[name]
-  if backend == "cuda" and case.alibi:
-    pytest.skip("the CUDA kernels have no ALiBi yet (test_attention checks the refusal)")
+  if backend == "cuda" and (case.alibi or case.Hv != H):
+    # The ALiBi cases differentiate the slopes too (test_transforms runs ALiBi on CUDA with fixed
+    # slopes under vmap, test_attention every ALiBi case).
+    pytest.skip("the CUDA kernels have no gradient of alibi_slopes and take no value head dim "
+                "other than the query's yet (test_attention checks the refusals)")
   mesh = case_mesh(backend, case)
   inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
   static = case.static()
@@ -394,27 +422,38 @@ RING_CASES = {
     "two_sided_window": dict(is_causal=False, local_window_size=(5, 18), order="contiguous"),
     # The soft-cap is per logit: every block caps its own.
     "causal_zigzag_soft_cap": dict(is_causal=True, order="zigzag", logits_soft_cap=1.5),
+    # A traced scale, replicated into the shard_map and differentiated: every block reads it.
+    "causal_zigzag_traced_scale": dict(is_causal=True, order="zigzag", traced_scale=0.45),
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(RING_CASES))
 def test_ring_attention_in_shard_map(name, dtype, backend, device):
-  options = RING_CASES[name]
+  options = dict(RING_CASES[name])
+  traced_scale = options.pop("traced_scale", None)
   mesh = make_mesh(backend, two_d=False)
   n = mesh.shape["x"]
   B, T, N, K = 2, 16 * n, 4, 2
   case = ShardCase(False, {}, B=B, T=T, S=T, N=N, K=K)
   inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
+  if traced_scale is not None:
+    inputs["scale"] = jax.device_put(jnp.asarray(traced_scale, jnp.float32), device)
   order = (jaxflash.zigzag_order(T, n) if options["order"] == "zigzag" else jnp.arange(T))
   undo = jnp.argsort(order)
   spec = P(None, "x")
-  ring = jax.shard_map(functools.partial(jaxflash.ring_attention, axis_name="x", **options),
-                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+  in_specs = (spec, spec, spec) + ((P(),) if traced_scale is not None else ())
 
-  def attention(query, key, value, **unused):
+  def ring_attention(query, key, value, *scale):  # the scale, when traced, after q, k and v
+    return jaxflash.ring_attention(query, key, value, axis_name="x",
+                                   scale=scale[0] if scale else None, **options)
+
+  ring = jax.shard_map(ring_attention, mesh=mesh, in_specs=in_specs, out_specs=spec)
+
+  def attention(query, key, value, scale=None, **unused):
     del unused
-    return ring(query[:, order], key[:, order], value[:, order])[:, undo]
+    scale = () if scale is None else (scale,)
+    return ring(query[:, order], key[:, order], value[:, order], *scale)[:, undo]
 
   ours, ours_grads = reference.forward_and_grads(attention, *_shard(inputs, cotangent, case, mesh))
   static = {name: value for name, value in options.items() if name != "order"}
@@ -424,6 +463,31 @@ def test_ring_attention_in_shard_map(name, dtype, backend, device):
   assert_close(ours, ref, base, tolerance, "out")
   for g in ref_grads:
     assert_close(ours_grads[g], ref_grads[g], base_grads[g], tolerance, g)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_traced_scale_replicated_in_shard_map(dtype, backend, device):
+  """jaxflash.attention inside shard_map on batch shards with one learned scale replicated on
+  every device: its gradient is the sum of the devices' parts (as the unsharded call's)."""
+  mesh = make_mesh(backend, two_d=False)
+  case = ShardCase(False, {}, T=37, S=45, traced_scale=True)
+  inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
+  attention = functools.partial(jaxflash.attention, is_causal=True)
+  spec = P("x")
+  sharded = jax.shard_map(lambda q, k, v, scale: attention(q, k, v, scale=scale), mesh=mesh,
+                          in_specs=(spec, spec, spec, P()), out_specs=spec)
+
+  def in_shard_map(query, key, value, scale, **unused):
+    del unused
+    return sharded(query, key, value, scale)
+
+  ours, ours_grads = reference.forward_and_grads(in_shard_map, *_shard(inputs, cotangent, case,
+                                                                        mesh))
+  single, single_grads = reference.forward_and_grads(attention, inputs, cotangent)
+  tolerance = reference.compute_name(backend, dtype)
+  assert_same_kernel(ours, single, tolerance, "out")
+  for g in single_grads:
+    assert_same_kernel(ours_grads[g], single_grads[g], tolerance, g)
 
 
 def test_zigzag_order_places_chunks():

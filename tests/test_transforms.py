@@ -28,6 +28,7 @@ from jaxflash.layout import COL, ROW, col_minor_order, strides_of
 from reference import assert_bitwise_equal, assert_same_kernel
 
 T, S, H = 40, 72, 32  # small, ragged (not multiples of a tile) and T != S
+HV = 20  # a value head dim other than H (CPU kernels only so far), not a multiple of 16
 B, N, E = 2, 4, 3  # batch, heads, an extra leading axis
 
 
@@ -38,7 +39,10 @@ B, N, E = 2, 4, 3  # batch, heads, an extra leading axis
 def loop_vmap(fn, in_axes=0, out_axes=0):
   """jax.vmap semantics by a Python loop: call `fn` on each slice and stack the results.
   `out_axes` is one axis for every output leaf, or a tuple with one axis per element of a
-  tuple-valued `fn`."""
+  tuple-valued `fn`. Each call is jitted, as the vmapped one is, so that a scale slice stays a
+  traced operand (eagerly it would be a concrete scalar, which jaxflash takes as the static
+  attribute: another kernel variant, whose float32 rounding differs)."""
+  fn = jax.jit(fn)
 
   def looped(*args):
     axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
@@ -200,22 +204,48 @@ VMAP_CASES = {
     "only_alibi_batched": VmapCase(
         dict(query=(T, H), key=(S, H), value=(S, H), alibi_slopes=(E,)),
         layers=(((None, None, None, 0), 0),)),
+    # A traced scale (differentiated) shared by every head: the kernels' scale operand, one call.
+    "heads_shared_traced_scale": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H), scale=()),
+        layers=(((1, 1, 1, None), 1),), static=dict(is_causal=True)),
+    # One scale per head (batched): the scale operand gets a stride along the mapped heads (q
+    # reaches the kernel as it is, not multiplied by the scale), still one call.
+    "heads_per_head_traced_scale": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, H), scale=(N,)),
+        layers=(((1, 1, 1, 0), 1),)),
+    # Only the scale batched: q/k/v shared by every item (stride 0), the scale per item.
+    "only_traced_scale_batched": VmapCase(
+        dict(query=(T, H), key=(S, H), value=(S, H), scale=(E,)),
+        layers=(((None, None, None, 0), 0),), static=dict(return_residual=True)),
+    # A value head dim HV != H: o, dO and dv have HV features, and the vmapped axis lands in
+    # front of, or (value: heads after its feature axis) behind, the HV axis.
+    "heads_value_head_dim": VmapCase(
+        dict(query=(T, N, H), key=(S, N, H), value=(S, N, HV)), layers=((1, 1),),
+        static=dict(is_causal=True, return_residual=True)),
+    "mixed_axes_value_head_dim": VmapCase(dict(query=(N, T, H), key=(S, N, H), value=(S, HV, N)),
+                                          layers=(((0, 1, 2), 0),)),
+    "kv_unbatched_mqa_value_head_dim": VmapCase(dict(query=(T, N, H), key=(S, H), value=(S, HV)),
+                                                layers=(((1, None, None), 1),)),
 }
 
 # Configurations in which every operand is batched, so vmap-of-grad can map the gradients back
 # onto the operands' own axes.
 FULLY_BATCHED = ("heads_axis1", "heads_then_batch", "batch_then_heads_axis2", "heads_axis0_BNTH",
                  "mixed_axes", "extra_leading_axis_4d", "heads_causal_window_residual",
-                 "extra_leading_axis_4d_segment_ids", "heads_alibi", "extra_leading_axis_4d_alibi")
+                 "extra_leading_axis_4d_segment_ids", "heads_alibi", "extra_leading_axis_4d_alibi",
+                 "heads_per_head_traced_scale", "heads_value_head_dim", "mixed_axes_value_head_dim")
 # Forward-only configurations whose compiled HLO must be a single kernel without layout copies.
 HLO_FORWARD = ("heads_axis1", "heads_axis_minus2", "heads_then_batch", "batch_then_heads_axis2",
                "heads_axis0_BNTH", "mixed_axes", "kv_unbatched_mqa",
                "kv_shared_over_heads_then_batch", "shared_bias_and_mask", "extra_leading_axis_4d",
                "extra_leading_axis_4d_segment_ids", "heads_shared_segment_ids", "heads_alibi",
-               "extra_leading_axis_4d_shared_alibi")
+               "extra_leading_axis_4d_shared_alibi", "heads_shared_traced_scale",
+               "heads_per_head_traced_scale", "only_traced_scale_batched",
+               "kv_unbatched_mqa_value_head_dim")
 HLO_GRAD = ("heads_axis1", "heads_then_batch", "kv_unbatched_mqa", "shared_bias_and_mask",
             "only_bias_batched", "extra_leading_axis_4d", "extra_leading_axis_4d_segment_ids",
-            "extra_leading_axis_4d_alibi", "only_alibi_batched")
+            "extra_leading_axis_4d_alibi", "only_alibi_batched", "heads_shared_traced_scale",
+            "only_traced_scale_batched", "heads_value_head_dim", "kv_unbatched_mqa_value_head_dim")
 # Configurations with an operand whose feature axis is not minor-most (value vmapped on an axis
 # after its head dim). The CUDA kernels need a unit feature stride, so the CUDA lowering asks
 # XLA for a layout with that axis minor-most: a transpose of that operand, on CUDA only.
@@ -224,10 +254,21 @@ COL_NOT_MINOR = ("mixed_axes",)
 VMAP_DTYPES = ("float32", "bfloat16")
 
 
+def differentiated(case: VmapCase, backend: str) -> tuple[int, ...]:
+  """The operands whose gradients a test takes: all of the case's differentiable ones, except
+  ALiBi's slopes on CUDA, whose kernels run ALiBi but not its slopes' gradient (test_attention
+  checks that refusal)."""
+  if backend != "cuda":
+    return case.differentiable
+  names = tuple(case.operands)
+  return tuple(i for i in case.differentiable if names[i] != "alibi_slopes")
+
+
 def skip_where_not_in_kernels(case: VmapCase, backend: str):
-  """ALiBi is in the CPU kernels only so far (test_attention checks the CUDA refusal)."""
-  if backend == "cuda" and "alibi_slopes" in case.operands:
-    pytest.skip("the CUDA kernels have no ALiBi yet")
+  """A value head dim other than the query's is in the CPU kernels only so far
+  (test_attention checks the CUDA refusal)."""
+  if backend == "cuda" and HV in case.operands["value"]:  # (HV is no other size of these cases)
+    pytest.skip("the CUDA kernels take no value head dim other than the query's yet")
 
 
 def weighted_sum_loss(fn, cotangent):
@@ -277,8 +318,8 @@ def small_inputs(seed: int, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_vmap_matches_loop(name, dtype, backend):
-  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
+  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(1, dtype)
   batched = jax.jit(case.build(jax.vmap))(*operands)
   looped = case.build(loop_vmap)(*operands)
@@ -299,12 +340,12 @@ def test_vmap_over_heads_equals_multi_head_call(backend):
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_grad_of_vmap_matches_loop(name, dtype, backend):
-  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
+  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(3, dtype)
   batched_fn, looped_fn = case.build(jax.vmap), case.build(loop_vmap)
   cotangent = random_cotangent(batched_fn, operands, 4)
-  argnums = case.differentiable
+  argnums = differentiated(case, backend)
   batched = jax.jit(jax.grad(weighted_sum_loss(batched_fn, cotangent), argnums))(*operands)
   looped = jax.grad(weighted_sum_loss(looped_fn, cotangent), argnums)(*operands)
   for i, b, l in zip(argnums, batched, looped):
@@ -316,11 +357,11 @@ def test_grad_of_vmap_matches_loop(name, dtype, backend):
 @pytest.mark.parametrize("dtype", VMAP_DTYPES)
 @pytest.mark.parametrize("name", FULLY_BATCHED)
 def test_vmap_of_grad_matches_loop(name, dtype, backend):
-  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
+  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(5, dtype)
   item_fn = attention_of(tuple(case.operands), **case.static)
-  argnums = case.differentiable
+  argnums = differentiated(case, backend)
 
   # The per-item cotangent is vmapped along with the operands, onto the output's axes.
   def item_grads(*operands_and_cotangent):
@@ -397,8 +438,8 @@ def test_kernel_primitives_batch_without_the_rest_of_the_package():
 
 @pytest.mark.parametrize("name", HLO_FORWARD)
 def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
-  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
+  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(7, "bfloat16")
   hlo = reference.compiled_hlo(case.build(jax.vmap), *operands)
   targets = reference.custom_call_targets(hlo)
@@ -414,12 +455,12 @@ def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
 
 @pytest.mark.parametrize("name", HLO_GRAD)
 def test_vmapped_grad_compiles_to_one_forward_and_one_backward_kernel(name, backend):
-  skip_where_not_in_kernels(VMAP_CASES[name], backend)
   case = VMAP_CASES[name]
+  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(8, "bfloat16")
   fn = case.build(jax.vmap)
   cotangent = random_cotangent(fn, operands, 9)
-  grad_fn = jax.grad(weighted_sum_loss(fn, cotangent), case.differentiable)
+  grad_fn = jax.grad(weighted_sum_loss(fn, cotangent), differentiated(case, backend))
   hlo = reference.compiled_hlo(grad_fn, *operands)
   targets = reference.custom_call_targets(hlo)
   assert reference.count_custom_calls(hlo, "jaxflash_fwd") == 1, f"{name}: {targets}\n{hlo}"

@@ -5,12 +5,14 @@
 //   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse (an input)
 //   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
 //   dalibi[t] = -Σ_s dS·|s - t - offset|   (ALiBi: the slope's gradient, per query row)
+//   dscale[s] = Σ_t dS·(q·k)               (a traced scale's gradient, per key row; dS of the
+//                                           scaled product, soft-cap slope included)
 //
 // With dropout (keep mask Z, regenerated from the seed, kept entries scaled by
 // c = 1 / (1 - rate)) the output used P∘Z·c, so dV = c·(P∘Z)ᵀ·dO and dP is
 // Z∘(dO·Vᵀ)·c; Δ = rowsum(dO ∘ O) is unchanged, O being the dropped output.
 //
-// Pass A runs K/V tiles outer and owns dK, dV; it loops, inside one task, over
+// Pass A runs K/V tiles outer and owns dK, dV and dscale; it loops, inside one task, over
 // the instance axes dK/dV do not vary along (the query heads of a GQA group, an
 // axis K/V are shared over). Pass B runs Q tiles outer and owns dQ, dbias and dalibi; it
 // loops inside one task over the axes dbias is broadcast along (and over all Q
@@ -26,27 +28,31 @@
 namespace jaxflash::cpu {
 namespace {
 
-// One Q tile's inputs to the gradient: q (pre-scaled by scale·log2e), dO, and per
+// One Q tile's inputs to the gradient: q (pre-scaled by its instance's scale·log2e), dO, and per
 // row the lse in base 2 as two floats (params.h) and Δ (computed by XLA from the float32
-// output).
+// output). With `raw`, also q as it is, for dscale's q·k: from the pre-scaled q it would take a
+// division by the scale, which may be 0.
 struct QTile {
-  std::vector<float> q, d_o, lse_hi, lse_lo, delta;
+  std::vector<float> q, q_raw, d_o, lse_hi, lse_lo, delta;
   int64_t rows = 0;
-  int64_t ld;  // padded row length of q and d_o
-  explicit QTile(int64_t H)
-      : q(kBlockQ * round_up_vec(H)), d_o(kBlockQ * round_up_vec(H)), lse_hi(kBlockQ), lse_lo(kBlockQ),
-        delta(kBlockQ),
-        ld(round_up_vec(H)) {}
+  int64_t ld, d_o_ld;  // padded row lengths of q (head_dim) and d_o (value_head_dim)
+  QTile(const AttentionParams& p, bool raw)
+      : q(kBlockQ * round_up_vec(p.head_dim)), q_raw(raw ? q.size() : 0), d_o(kBlockQ * round_up_vec(p.value_head_dim)),
+        lse_hi(kBlockQ), lse_lo(kBlockQ), delta(kBlockQ), ld(round_up_vec(p.head_dim)),
+        d_o_ld(round_up_vec(p.value_head_dim)) {}
 };
 
 template <class T>
 void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t rows, QTile& tile) {
-  const int64_t H = p.head_dim;
   tile.rows = rows;
-  load_tile(element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride), p.q.row_stride,
-            p.q.col_stride, rows, H, p.scale * kLog2e, tile.q.data(), tile.ld);
+  const T* q = element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride);
+  load_tile(q, p.q.row_stride, p.q.col_stride, rows, p.head_dim, instance_scale(p, inst) * kLog2e, tile.q.data(),
+            tile.ld);
+  if (!tile.q_raw.empty())
+    load_tile(q, p.q.row_stride, p.q.col_stride, rows, p.head_dim, 1.f, tile.q_raw.data(), tile.ld);
   const T* d_o = element<T>(p.d_o, instance_offset(p, p.d_o, inst) + t0 * p.d_o.row_stride);
-  load_tile(d_o, p.d_o.row_stride, p.d_o.col_stride, rows, H, 1.f, tile.d_o.data(), tile.ld);
+  load_tile(d_o, p.d_o.row_stride, p.d_o.col_stride, rows, p.value_head_dim, 1.f, tile.d_o.data(),
+            tile.d_o_ld);
   const float* lse = element<float>(p.lse, instance_offset(p, p.lse, inst) + t0 * p.lse.row_stride);
   const float* delta = element<float>(p.delta, instance_offset(p, p.delta, inst) + t0 * p.delta.row_stride);
   for (int64_t i = 0; i < rows; ++i) {
@@ -64,10 +70,9 @@ void probabilities_and_dscores(const AttentionParams& p, const InstanceBounds& b
                                const LogitsInputs<BiasT>& logits_in, const DropoutKey& dropout,
                                const QTile& tile, int64_t t0, int64_t s0, int64_t cols, const float* kt,
                                const float* vt, float* s, float* dp, float* cap_slope) {
-  const int64_t H = p.head_dim;
-  matmul(tile.q.data(), tile.ld, kt, kBlockK, tile.rows, cols, H, s, kBlockK);
+  matmul(tile.q.data(), tile.ld, kt, kBlockK, tile.rows, cols, p.head_dim, s, kBlockK);
   finish_logits(p, bounds, logits_in, t0, tile.rows, s0, cols, s, kBlockK, cap_slope);
-  matmul(tile.d_o.data(), tile.ld, vt, kBlockK, tile.rows, cols, H, dp, kBlockK);
+  matmul(tile.d_o.data(), tile.d_o_ld, vt, kBlockK, tile.rows, cols, p.value_head_dim, dp, kBlockK);
   for (int64_t i = 0; i < tile.rows; ++i) {
     float* si = s + i * kBlockK;
     float* dpi = dp + i * kBlockK;
@@ -98,17 +103,19 @@ void apply_cap_slope(const AttentionParams& p, int64_t rows, int64_t cols, const
     for (int64_t j = 0; j < cols; ++j) ds[i * kBlockK + j] *= cap_slope[i * kBlockK + j];
 }
 
-// Pass A: dK, dV for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
+// Pass A: dK, dV (and dscale) for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
 template <class T, class BiasT>
 JAXFLASH_CPU_TASK
 void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segments, const InstanceSplit& split,
                         int64_t kept, int64_t s0) {
-  const int64_t H = p.head_dim, Hp = round_up_vec(H);
+  const int64_t H = p.head_dim, Hp = round_up_vec(H), Hv = p.value_head_dim, Hvp = round_up_vec(Hv);
   const int64_t cols = std::min(kBlockK, p.seqlen_k - s0);
-  std::vector<float> kt(H * kBlockK), vt(H * kBlockK), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
-  std::vector<float> dk(kBlockK * Hp, 0.f), dv(kBlockK * Hp, 0.f);
+  const bool want_dscale = p.has(kHasDscale);
+  std::vector<float> kt(H * kBlockK), vt(Hv * kBlockK), s(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
+  std::vector<float> dk(kBlockK * Hp, 0.f), dv(kBlockK * Hvp, 0.f);
   std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
-  QTile tile(H);
+  std::vector<float> qk(want_dscale ? kBlockQ * kBlockK : 0), dscale(want_dscale ? kBlockK : 0, 0.f);
+  QTile tile(p, want_dscale);
 
   const int64_t reduced_count = split.count(true);
   for (int64_t r = 0; r < reduced_count; ++r) {
@@ -121,7 +128,7 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
     load_tile_transposed(element<T>(p.k, instance_offset(p, p.k, inst) + s0 * p.k.row_stride),
                          p.k.row_stride, p.k.col_stride, live_cols, H, kt.data(), kBlockK);
     load_tile_transposed(element<T>(p.v, instance_offset(p, p.v, inst) + s0 * p.v.row_stride),
-                         p.v.row_stride, p.v.col_stride, live_cols, H, vt.data(), kBlockK);
+                         p.v.row_stride, p.v.col_stride, live_cols, Hv, vt.data(), kBlockK);
     const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
     const DropoutKey dropout = dropout_key(p, inst);
 
@@ -132,8 +139,13 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
       probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, live_cols, kt.data(),
                                 vt.data(), s.data(), dp.data(), cap_slope.data());
       apply_cap_slope(p, tile.rows, live_cols, cap_slope.data(), dp.data());
-      matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hp, tile.rows, H, live_cols, dv.data(), Hp);
+      matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hvp, tile.rows, Hv, live_cols, dv.data(), Hvp);
       matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), Hp, tile.rows, H, live_cols, dk.data(), Hp);
+      if (want_dscale) {  // Σ_t dS∘(q·k), both in float32 (params.h, dscale)
+        matmul(tile.q_raw.data(), tile.ld, kt.data(), kBlockK, tile.rows, live_cols, H, qk.data(), kBlockK);
+        for (int64_t i = 0; i < tile.rows; ++i)
+          for (int64_t j = 0; j < live_cols; ++j) dscale[j] += dp[i * kBlockK + j] * qk[i * kBlockK + j];
+      }
     }
   }
   // kept's own instance has index 0 on the reduced axes, where dk/dv strides are 0.
@@ -142,9 +154,13 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
   store_tile(dk.data(), Hp, cols, H, kLn2,
              mutable_element<T>(p.dk, instance_offset(p, p.dk, inst) + s0 * p.dk.row_stride),
              p.dk.row_stride, p.dk.col_stride);
-  store_tile(dv.data(), Hp, cols, H, p.has(kDropout) ? p.keep_scale : 1.f,
+  store_tile(dv.data(), Hvp, cols, Hv, p.has(kDropout) ? p.keep_scale : 1.f,
              mutable_element<T>(p.dv, instance_offset(p, p.dv, inst) + s0 * p.dv.row_stride),
              p.dv.row_stride, p.dv.col_stride);
+  if (want_dscale) {
+    float* out = mutable_element<float>(p.dscale, instance_offset(p, p.dscale, inst) + s0 * p.dscale.row_stride);
+    for (int64_t j = 0; j < cols; ++j) out[j * p.dscale.row_stride] = dscale[j];
+  }
 }
 
 // Pass B: dQ for the Q tiles of one task, their share of dbias, and their rows of dalibi.
@@ -161,12 +177,12 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
   const int64_t dbias_cols = dbias_one_col ? 1 : S;
   std::vector<float> dbias(want_dbias ? dbias_rows * dbias_cols : 0, 0.f);
 
-  std::vector<float> kt(H * kBlockK), vt(H * kBlockK), k(kBlockK * Hp);
+  std::vector<float> kt(H * kBlockK), vt(p.value_head_dim * kBlockK), k(kBlockK * Hp);
   std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * Hp);
   std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
   const bool want_dalibi = p.has(kHasDalibi);
   float dalibi[kBlockQ], distance[kBlockK];
-  QTile tile(H);
+  QTile tile(p, false);
 
   const int64_t reduced_count = split.count(true);
   for (int64_t r = 0; r < reduced_count; ++r) {
@@ -192,8 +208,8 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
           load_tile_transposed(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
                                kt.data(), kBlockK);
           load_tile(k_base + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H, 1.f, k.data(), Hp);
-          load_tile_transposed(v_base + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H,
-                               vt.data(), kBlockK);
+          load_tile_transposed(v_base + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols,
+                               p.value_head_dim, vt.data(), kBlockK);
           probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, cols, kt.data(),
                                     vt.data(), s.data(), ds.data(), cap_slope.data());
           if (want_dbias) {
@@ -216,9 +232,13 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
           matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
         }
       }
-      store_tile(dq.data(), Hp, rows, H, p.scale,
-                 mutable_element<T>(p.dq, instance_offset(p, p.dq, inst) + t0 * p.dq.row_stride),
-                 p.dq.row_stride, p.dq.col_stride);
+      const int64_t dq_offset = instance_offset(p, p.dq, inst) + t0 * p.dq.row_stride;
+      if (p.has(kScaleOperand))  // the scaled query's dq, in float32 (params.h)
+        store_tile(dq.data(), Hp, rows, H, 1.f, mutable_element<float>(p.dq, dq_offset), p.dq.row_stride,
+                   p.dq.col_stride);
+      else
+        store_tile(dq.data(), Hp, rows, H, p.scale, mutable_element<T>(p.dq, dq_offset), p.dq.row_stride,
+                   p.dq.col_stride);
       if (want_dalibi)
         for (int64_t i = 0; i < rows; ++i) dalibi_out[(t0 + i) * p.dalibi.row_stride] = dalibi[i];
     }

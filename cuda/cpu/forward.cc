@@ -23,7 +23,9 @@ void store_lse(const AttentionParams& p, float* lse, int64_t row, LseSplit value
 template <class T, class BiasT, class OutT>
 JAXFLASH_CPU_TASK
 void forward_tile(const AttentionParams& p, const SegmentTileRanges& segments, int64_t inst, int64_t t0) {
-  const int64_t H = p.head_dim, Hp = round_up_vec(H);  // Hp: padded row length of feature tiles
+  // H: q and k's features, Hv: v and o's; Hp, Hvp: the padded row lengths of their tiles.
+  const int64_t H = p.head_dim, Hp = round_up_vec(H);
+  const int64_t Hv = p.value_head_dim, Hvp = round_up_vec(Hv);
   const InstanceBounds bounds = instance_bounds(p, inst);
   const int64_t rows = std::min(kBlockQ, p.seqlen_q - t0);
 
@@ -34,13 +36,13 @@ void forward_tile(const AttentionParams& p, const SegmentTileRanges& segments, i
   // Rows past q_len are padding; they and rows that see no key output 0.
   const int64_t live_rows = std::clamp<int64_t>(bounds.q_len - t0, 0, rows);
   if (keys.lo >= keys.hi || live_rows == 0) {
-    store_zero_rows(rows, H, o, p.o.row_stride, p.o.col_stride);
+    store_zero_rows(rows, Hv, o, p.o.row_stride, p.o.col_stride);
     for (int64_t i = 0; i < rows; ++i) store_lse(p, lse, i, kEmptyRow);
     return;
   }
 
-  std::vector<float> q_tile(kBlockQ * Hp), kt_tile(H * kBlockK), v_tile(kBlockK * Hp);
-  std::vector<float> s_tile(kBlockQ * kBlockK), acc(kBlockQ * Hp, 0.f);
+  std::vector<float> q_tile(kBlockQ * Hp), kt_tile(H * kBlockK), v_tile(kBlockK * Hvp);
+  std::vector<float> s_tile(kBlockQ * kBlockK), acc(kBlockQ * Hvp, 0.f);
   std::vector<float> row_offset(kBlockQ, kNegInf), row_sum(kBlockQ, 0.f);
 
   const T* q = element<T>(p.q, instance_offset(p, p.q, inst) + t0 * p.q.row_stride);
@@ -51,7 +53,7 @@ void forward_tile(const AttentionParams& p, const SegmentTileRanges& segments, i
   const DropoutKey dropout_in = dropout_key(p, inst);
 
   // Base-2 logits: fold log2(e) into the scale once, so the softmax is exp2.
-  load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, p.scale * kLog2e, q_tile.data(), Hp);
+  load_tile(q, p.q.row_stride, p.q.col_stride, live_rows, H, instance_scale(p, inst) * kLog2e, q_tile.data(), Hp);
   // P is 2^-p_shift times the probability (params.h, probability_shift). Each row keeps its
   // exp2 offset, running max + p_shift, as the float itself, so that the rescaling between
   // tiles and the lse refer to exactly the offsets the P were taken at (float addition is
@@ -64,7 +66,7 @@ void forward_tile(const AttentionParams& p, const SegmentTileRanges& segments, i
     if (!segments.may_meet(inst, t0, t0 + live_rows, s0, s0 + cols)) continue;
     load_tile_transposed(k + s0 * p.k.row_stride, p.k.row_stride, p.k.col_stride, cols, H,
                          kt_tile.data(), kBlockK);
-    load_tile(v + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, H, 1.f, v_tile.data(), Hp);
+    load_tile(v + s0 * p.v.row_stride, p.v.row_stride, p.v.col_stride, cols, Hv, 1.f, v_tile.data(), Hvp);
 
     matmul(q_tile.data(), Hp, kt_tile.data(), kBlockK, live_rows, cols, H, s_tile.data(), kBlockK);
     finish_logits(p, bounds, logits_in, t0, live_rows, s0, cols, s_tile.data(), kBlockK);
@@ -92,16 +94,16 @@ void forward_tile(const AttentionParams& p, const SegmentTileRanges& segments, i
       row_offset[i] = offset;
       // Dropout after the sum: the normaliser (and lse) are the undropped softmax's.
       if (dropout) drop_row(dropout_in, t0 + i, s0, cols, s);
-      float* a = acc.data() + i * Hp;
-      for (int64_t d = 0; d < H; ++d) a[d] *= correction;
+      float* a = acc.data() + i * Hvp;
+      for (int64_t d = 0; d < Hv; ++d) a[d] *= correction;
     }
-    matmul_acc(s_tile.data(), kBlockK, v_tile.data(), Hp, live_rows, H, cols, acc.data(), Hp);
+    matmul_acc(s_tile.data(), kBlockK, v_tile.data(), Hvp, live_rows, Hv, cols, acc.data(), Hvp);
   }
 
   for (int64_t i = 0; i < rows; ++i) {
     const bool empty = i >= live_rows || row_sum[i] == 0.f;
     const float inv = empty ? 0.f : (dropout ? p.keep_scale : 1.f) / row_sum[i];
-    store_tile(acc.data() + i * Hp, Hp, 1, H, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
+    store_tile(acc.data() + i * Hvp, Hvp, 1, Hv, inv, o + i * p.o.row_stride, p.o.row_stride, p.o.col_stride);
     store_lse(p, lse, i, empty ? kEmptyRow : split_lse(row_offset[i], std::log2(row_sum[i])));
   }
 }

@@ -77,13 +77,13 @@ ffi::Error run_on_pool(ffi::ThreadPool pool, void (*kernel)(const AttentionParam
 ffi::Error forward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                        ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                       ffi::AnyBuffer alibi_slopes,
+                       ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/, LayoutAttrs attrs) {
   AttentionParams p;
   if (auto e = decode_forward(
-          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, *o, *lse,
-          attrs);
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, *o,
+          *lse, attrs);
       e.failure())
     return e;
   return run_on_pool(pool, &cpu::forward, p);
@@ -92,16 +92,16 @@ ffi::Error forward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::AnyBuffer alibi_slopes,
+                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
                         ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                        ffi::Result<ffi::AnyBuffer> dalibi,
+                        ffi::Result<ffi::AnyBuffer> dalibi, ffi::Result<ffi::AnyBuffer> dscale,
                         ffi::Result<ffi::AnyBuffer> /*workspace: the CPU kernels need none*/, LayoutAttrs attrs) {
   AttentionParams p;
   if (auto e = decode_backward(
-          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, lse, delta,
-          d_o, *dq, *dk, *dv, *dbias, *dalibi, attrs);
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, lse,
+          delta, d_o, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
       e.failure())
     return e;
   return run_on_pool(pool, &cpu::backward, p);

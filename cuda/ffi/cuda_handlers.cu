@@ -26,27 +26,34 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
-// The CUDA kernels have no ALiBi yet (params.h); Python refuses alibi_slopes when it lowers for
-// CUDA, this for any other caller, so that no kernel ignores them.
-ffi::Error refuse_alibi(const AttentionParams& p) {
-  if (p.has(kHasAlibi))
-    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no ALiBi (alibi_slopes) yet");
+// What the CUDA kernels do not have yet (params.h): ALiBi's slopes' gradient (dalibi; they run
+// ALiBi itself), and a value head dim other than the query/key one (they size every tile by one
+// head dim). Python refuses both when it lowers for CUDA (kernels._check_cuda_call); this refuses
+// them for any other caller, so that no kernel leaves dalibi unwritten or reads v, o, d_o and dv
+// with the wrong row length.
+ffi::Error refuse_cpu_only(const AttentionParams& p) {
+  if (p.has(kHasDalibi))
+    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no gradient of alibi_slopes yet");
+  if (p.value_head_dim != p.head_dim)
+    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels need the value head dim (" +
+                                       std::to_string(p.value_head_dim) + ") equal to the query/key head dim (" +
+                                       std::to_string(p.head_dim) + ")");
   return ffi::Error::Success();
 }
 
 ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                         ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::AnyBuffer alibi_slopes,
+                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                         ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
   if (auto e = decode_forward(
-          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, *o, *lse,
-          attrs);
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, *o,
+          *lse, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_alibi(p); e.failure()) return e;
+  if (auto e = refuse_cpu_only(p); e.failure()) return e;
   const int64_t needed = gpu::forward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim,
                                                       p.dtype, p.has(kHasSegmentIds));
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)
@@ -57,19 +64,19 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                          ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                         ffi::AnyBuffer alibi_slopes,
+                         ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
                          ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                         ffi::Result<ffi::AnyBuffer> dalibi,
+                         ffi::Result<ffi::AnyBuffer> dalibi, ffi::Result<ffi::AnyBuffer> dscale,
                          ffi::Result<ffi::AnyBuffer> workspace, LayoutAttrs attrs) {
   AttentionParams p;
   if (auto e = decode_backward(
-          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes}, lse, delta,
-          d_o, *dq, *dk, *dv, *dbias, *dalibi, attrs);
+          p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, lse,
+          delta, d_o, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
       e.failure())
     return e;
-  if (auto e = refuse_alibi(p); e.failure()) return e;
+  if (auto e = refuse_cpu_only(p); e.failure()) return e;
   const int64_t needed = gpu::backward_workspace_bytes(p.num_instances(), p.seqlen_q, p.seqlen_k, p.head_dim,
                                                        p.dtype, p.has(kHasSegmentIds));
   if (static_cast<int64_t>(workspace->size_bytes()) < needed)

@@ -6,8 +6,8 @@
 // Attributes (all int64 unless said), decoded together into LayoutAttrs:
 //   instance_sizes : [D]            sizes of the instance axes, D <= kMaxInstanceDims
 //   strides        : [kSlots*(D+2)] per slot: D instance strides, row stride, col stride
-//   dims           : [3]            T, S, H
-//   scale          : float32
+//   dims           : [4]            T, S, H (q, k), Hv (v, o)
+//   scale          : float32 (unused with kScaleOperand: the scale operand holds it)
 //   window_left, window_right       kUnbounded (-1) or >= 0
 //   diagonal_offset                 added to the window's diagonal (params.h)
 //   flags                           bits of jaxflash::Flags
@@ -31,14 +31,14 @@ namespace ffi = xla::ffi;
 // Slot order of the "strides" attribute; jaxflash/contract.py lists the same (SLOTS).
 enum Slot : int {
   kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed,
-  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kSlots
+  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kScale, kDscale, kSlots
 };
 
 inline const char* slot_name(int slot) {
   static const char* names[kSlots] = {"q",    "k",     "v",    "bias", "mask",          "q_lens",
                                       "kv_lens", "o",   "lse",  "d_o",  "delta",         "dq",
                                       "dk",   "dv",    "dbias", "seed", "q_segment_ids", "kv_segment_ids",
-                                      "alibi_slopes", "dalibi"};
+                                      "alibi_slopes", "dalibi", "scale", "dscale"};
   return names[slot];
 }
 
@@ -58,7 +58,7 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
     return ffi::Error::InvalidArgument("jaxflash: too many instance dimensions: " + std::to_string(D));
   if (static_cast<int64_t>(strides.size()) != kSlots * (D + 2))
     return ffi::Error::InvalidArgument("jaxflash: strides attribute has the wrong length");
-  if (dims.size() != 3) return ffi::Error::InvalidArgument("jaxflash: dims attribute must be [T, S, H]");
+  if (dims.size() != 4) return ffi::Error::InvalidArgument("jaxflash: dims attribute must be [T, S, H, Hv]");
   if (a.window_left < kUnbounded || a.window_right < kUnbounded)
     return ffi::Error::InvalidArgument("jaxflash: window sizes must be -1 (unbounded) or >= 0");
   p.num_inst_dims = static_cast<int>(D);
@@ -69,8 +69,9 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
   p.seqlen_q = dims[0];
   p.seqlen_k = dims[1];
   p.head_dim = dims[2];
-  if (p.seqlen_q < 1 || p.seqlen_k < 1 || p.head_dim < 1)
-    return ffi::Error::InvalidArgument("jaxflash: T, S and H must be >= 1");
+  p.value_head_dim = dims[3];
+  if (p.seqlen_q < 1 || p.seqlen_k < 1 || p.head_dim < 1 || p.value_head_dim < 1)
+    return ffi::Error::InvalidArgument("jaxflash: T, S, H and Hv must be >= 1");
   p.scale = a.scale;
   p.window_left = a.window_left;
   p.window_right = a.window_right;
@@ -89,7 +90,7 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
   ArrayView* views[kSlots] = {&p.q,    &p.k,     &p.v,    &p.bias, &p.mask,          &p.q_lens,
                               &p.kv_lens, &p.o,   &p.lse,  &p.d_o,  &p.delta,         &p.dq,
                               &p.dk,   &p.dv,    &p.dbias, &p.seed, &p.q_segment_ids, &p.kv_segment_ids,
-                              &p.alibi_slopes, &p.dalibi};
+                              &p.alibi_slopes, &p.dalibi, &p.scale_operand, &p.dscale};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -106,12 +107,14 @@ inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64
   switch (slot) {
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
     case kLse: case kDelta: case kDalibi: rows = p.seqlen_q; cols = 1; return;
-    case kQLens: case kKvLens: case kAlibiSlopes: rows = 1; cols = 1; return;
+    case kQLens: case kKvLens: case kAlibiSlopes: case kScale: rows = 1; cols = 1; return;
     case kSeed: rows = 1; cols = 2; return;
     case kQSegmentIds: rows = p.seqlen_q; cols = 1; return;
-    case kKvSegmentIds: rows = p.seqlen_k; cols = 1; return;
-    case kK: case kV: case kDk: case kDv: rows = p.seqlen_k; cols = p.head_dim; return;
-    default: rows = p.seqlen_q; cols = p.head_dim; return;
+    case kKvSegmentIds: case kDscale: rows = p.seqlen_k; cols = 1; return;
+    case kK: case kDk: rows = p.seqlen_k; cols = p.head_dim; return;
+    case kV: case kDv: rows = p.seqlen_k; cols = p.value_head_dim; return;
+    case kO: case kDo: rows = p.seqlen_q; cols = p.value_head_dim; return;
+    default: rows = p.seqlen_q; cols = p.head_dim; return;  // q, dq
   }
 }
 
@@ -164,11 +167,12 @@ ffi::Error attach_optional(const AttentionParams& p, int64_t flag, int slot, Arr
 }
 
 // Decodes the operands every direction shares: q, k, v, bias, mask, lengths, seed, segment ids,
-// ALiBi slopes.
+// ALiBi slopes, scale.
 inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                                 ffi::AnyBuffer& bias, ffi::AnyBuffer& mask, ffi::AnyBuffer& q_lens,
                                 ffi::AnyBuffer& kv_lens, ffi::AnyBuffer& seed, ffi::AnyBuffer& q_segment_ids,
-                                ffi::AnyBuffer& kv_segment_ids, ffi::AnyBuffer& alibi_slopes) {
+                                ffi::AnyBuffer& kv_segment_ids, ffi::AnyBuffer& alibi_slopes,
+                                ffi::AnyBuffer& scale) {
   if (auto e = decode_dtype(q.element_type(), p.dtype, "q"); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   p.bias_dtype = p.dtype;
@@ -193,20 +197,30 @@ inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyB
                                ffi::DataType::S32);
       e.failure())
     return e;
-  return attach_optional(p, kHasAlibi, kAlibiSlopes, p.alibi_slopes, alibi_slopes, ffi::DataType::F32);
+  if (auto e = attach_optional(p, kHasAlibi, kAlibiSlopes, p.alibi_slopes, alibi_slopes, ffi::DataType::F32);
+      e.failure())
+    return e;
+  return attach_optional(p, kScaleOperand, kScale, p.scale_operand, scale, ffi::DataType::F32);
 }
 
 // The backward's outputs must have one writer per element: dq and dalibi may not be
-// shared along any instance axis, and dk, dv must be shared along the same ones
-// (the axes the K/V-outer pass reduces over).
+// shared along any instance axis, and dk, dv and dscale must be shared along the same ones
+// (the axes the K/V-outer pass reduces over). A scale operand must be shared along the axes
+// that dk, dv or dbias sum over: the CUDA backward reads one scale per K/V tile and per dbias
+// tile (vmap gives every mapped item its own gradients, so it never sums over a scale's axis).
 inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
   for (int d = 0; d < p.num_inst_dims; ++d) {
     if (p.inst_size[d] == 1) continue;
+    if (p.has(kScaleOperand) && p.scale_operand.inst_stride[d] != 0 &&
+        (p.dk.inst_stride[d] == 0 || (p.has(kHasDbias) && p.dbias.inst_stride[d] == 0)))
+      return ffi::Error::InvalidArgument(
+          "jaxflash: the scale operand varies along an instance axis that dk, dv or dbias sum over");
     if (p.dq.inst_stride[d] == 0) return ffi::Error::InvalidArgument("jaxflash: dq is broadcast along an instance axis");
     if (p.has(kHasDalibi) && p.dalibi.inst_stride[d] == 0)
       return ffi::Error::InvalidArgument("jaxflash: dalibi is broadcast along an instance axis");
-    if ((p.dk.inst_stride[d] == 0) != (p.dv.inst_stride[d] == 0))
-      return ffi::Error::InvalidArgument("jaxflash: dk and dv must be broadcast along the same instance axes");
+    if ((p.dk.inst_stride[d] == 0) != (p.dv.inst_stride[d] == 0) ||
+        (p.has(kHasDscale) && (p.dk.inst_stride[d] == 0) != (p.dscale.inst_stride[d] == 0)))
+      return ffi::Error::InvalidArgument("jaxflash: dk, dv and dscale must be broadcast along the same instance axes");
   }
   return ffi::Error::Success();
 }
@@ -214,14 +228,14 @@ inline ffi::Error check_gradient_layouts(const AttentionParams& p) {
 // The whole decode of each direction, shared by the CPU and CUDA handlers.
 // The operands every direction takes first (bind_inputs).
 struct Inputs {
-  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes;
+  ffi::AnyBuffer q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale;
 };
 
 // The layout, then the shared operands.
 inline ffi::Error decode_inputs(AttentionParams& p, Inputs& in, const LayoutAttrs& attrs) {
   if (auto e = decode_layout(attrs, p); e.failure()) return e;
   return attach_inputs(p, in.q, in.k, in.v, in.bias, in.mask, in.q_lens, in.kv_lens, in.seed, in.q_segment_ids,
-                       in.kv_segment_ids, in.alibi_slopes);
+                       in.kv_segment_ids, in.alibi_slopes, in.scale);
 }
 
 inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& o, ffi::AnyBuffer& lse,
@@ -234,13 +248,15 @@ inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& 
 
 inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
                                   ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
-                                  ffi::AnyBuffer& dbias, ffi::AnyBuffer& dalibi, const LayoutAttrs& attrs) {
+                                  ffi::AnyBuffer& dbias, ffi::AnyBuffer& dalibi, ffi::AnyBuffer& dscale,
+                                  const LayoutAttrs& attrs) {
   if (auto e = decode_inputs(p, in, attrs); e.failure()) return e;
   const ffi::DataType t = ffi_type(p.dtype);
   if (auto e = attach(p, kLse, p.lse, lse, ffi::DataType::F32); e.failure()) return e;
   if (auto e = attach(p, kDelta, p.delta, delta, ffi::DataType::F32); e.failure()) return e;
   if (auto e = attach(p, kDo, p.d_o, d_o, t); e.failure()) return e;
-  if (auto e = attach(p, kDq, p.dq, dq, t); e.failure()) return e;
+  // kScaleOperand: dq of the scaled query, in float32 (params.h).
+  if (auto e = attach(p, kDq, p.dq, dq, p.has(kScaleOperand) ? ffi::DataType::F32 : t); e.failure()) return e;
   if (auto e = attach(p, kDk, p.dk, dk, t); e.failure()) return e;
   if (auto e = attach(p, kDv, p.dv, dv, t); e.failure()) return e;
   if (auto e = attach_optional(p, kHasDbias, kDbias, p.dbias, dbias, ffi_type(p.bias_dtype)); e.failure())
@@ -249,16 +265,21 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
     return ffi::Error::InvalidArgument("jaxflash: dalibi asked for without alibi_slopes");
   if (auto e = attach_optional(p, kHasDalibi, kDalibi, p.dalibi, dalibi, ffi::DataType::F32); e.failure())
     return e;
+  if (p.has(kHasDscale) && !p.has(kScaleOperand))
+    return ffi::Error::InvalidArgument("jaxflash: dscale asked for without a scale operand");
+  if (auto e = attach_optional(p, kHasDscale, kDscale, p.dscale, dscale, ffi::DataType::F32); e.failure())
+    return e;
   return check_gradient_layouts(p);
 }
 
 // The FFI signatures, after each platform's context (thread pool or stream).
 // Forward: inputs, then results o, lse, workspace. Backward: inputs, lse, delta,
-// d_o, then results dq, dk, dv, dbias, dalibi, workspace. Both end with the layout attributes.
+// d_o, then results dq, dk, dv, dbias, dalibi, dscale, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
-auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids, slopes
+auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids, slopes, scale
   return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
@@ -295,6 +316,7 @@ auto bind_backward(Binding&& binding) {
                              .template Ret<ffi::AnyBuffer>()   // dv
                              .template Ret<ffi::AnyBuffer>()   // dbias
                              .template Ret<ffi::AnyBuffer>()   // dalibi
+                             .template Ret<ffi::AnyBuffer>()   // dscale
                              .template Ret<ffi::AnyBuffer>());  // workspace
 }
 

@@ -38,6 +38,8 @@ nb::dict contract() {
   flags["HAS_SEGMENT_IDS"] = static_cast<int64_t>(kHasSegmentIds);
   flags["HAS_ALIBI"] = static_cast<int64_t>(kHasAlibi);
   flags["HAS_DALIBI"] = static_cast<int64_t>(kHasDalibi);
+  flags["SCALE_OPERAND"] = static_cast<int64_t>(kScaleOperand);
+  flags["HAS_DSCALE"] = static_cast<int64_t>(kHasDscale);
   nb::dict dtypes;
   dtypes["float32"] = static_cast<int32_t>(DType::kF32);
   dtypes["float16"] = static_cast<int32_t>(DType::kF16);

@@ -3,8 +3,8 @@
 //   pre-pass : per row, the lse's hi and lo (base 2 already) and delta (+inf, 0 / 0 for rows that get
 //              no gradient); delta is the operand XLA computed as
 //              rowsum(dO o O) - dlse from the float32 output
-//   main     : dK, dV, and dQ accumulated in fp32 in a fixed order (bwd_kernel.h);
-//              then dbias when asked for (bwd_dbias.h)
+//   main     : dK, dV, and dQ accumulated in fp32 in a fixed order (bwd_kernel.h), and a
+//              traced scale's dscale when asked for; then dbias when asked for (bwd_dbias.h)
 //   post-pass: dq = scale * dQ accumulator, in dtype (0 for rows >= q_len)
 // The main / dbias kernels are instantiated per (dtype, head dim) in
 // generated instances (cmake/cuda.cmake); the pre / post passes depend on the dtype only.
@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid
   const bool live = t < instance_bounds(p, linear).q_len;
   const InstanceIndex inst(p, linear);
   T* dq = inst.origin<T>(p, p.dq) + t * p.dq.row_stride;
+  // kScaleOperand: the scaled query's dq, in float32 and without the scale (params.h).
+  float* dq_f32 = p.has(kScaleOperand) ? inst.origin<float>(p, p.dq) + t * p.dq.row_stride : nullptr;
   const BwdDqGrid& g = rt.dq;
   // The row's part of the position: tile, warp row, m fragment, g and the h of e.
   const int r = static_cast<int>(t % g.block_m);
@@ -92,7 +94,10 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid
     const int warp = warp_m * g.warps_n + wn, nf = cc / 8, e = 2 * h + (cc & 1), ln = 4 * gq + (cc % 8) / 2;
     const float x = tile[static_cast<int64_t>(c) * g.block_m * g.chunk_cols +
                          (((warp * g.mf + mf) * g.nf + nf) * 4 + e) * 32 + ln];
-    dq[d] = store_float<T>(live ? x * rt.scale : 0.f);
+    if (dq_f32 != nullptr)
+      dq_f32[d] = live ? x : 0.f;
+    else
+      dq[d] = store_float<T>(live ? x * rt.scale : 0.f);
   }
 }
 
@@ -159,12 +164,15 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
       (rows && keys && ((has_bias && !p.bias.data) || (has_mask && !p.mask.data) || (want_dbias && !p.dbias.data))) ||
       (p.has(kHasQLens) && !p.q_lens.data) || (p.has(kHasKvLens) && !p.kv_lens.data) ||
       (p.has(kDropout) && !p.seed.data) ||
-      (rows && keys && p.has(kHasSegmentIds) && (!p.q_segment_ids.data || !p.kv_segment_ids.data)))
+      (rows && keys && p.has(kHasSegmentIds) && (!p.q_segment_ids.data || !p.kv_segment_ids.data)) ||
+      (p.has(kHasDscale) && (!p.has(kScaleOperand) || (keys && !p.dscale.data))))
     return cudaErrorInvalidValue;
-  // One writer per output element: dq is per instance; dk and dv are shared
+  // One writer per output element: dq is per instance; dk, dv and dscale are shared
   // along the same axes (the ones a CTA loops over).
   const uint32_t kv_mask = shared_axes(p, p.dk);
-  if (shared_axes(p, p.dq) != 0 || shared_axes(p, p.dv) != kv_mask) return cudaErrorInvalidValue;
+  if (shared_axes(p, p.dq) != 0 || shared_axes(p, p.dv) != kv_mask ||
+      (p.has(kHasDscale) && shared_axes(p, p.dscale) != kv_mask))
+    return cudaErrorInvalidValue;
 
   const BwdWorkspaceLayout w =
       BwdWorkspaceLayout::of(instances, p.seqlen_q, p.seqlen_k, p.head_dim, elem_bytes, p.has(kHasSegmentIds));
@@ -203,11 +211,15 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
 #else
   rt.dq_bulk = major >= 9;
 #endif
-  // The mma.sync kernels read bias, mask, segment ids and dropout in their general variant
-  // only; the sm_90 kernel reads no bias, mask or ids, but does dropout.
-  const bool sm90_excluded = has_bias || has_mask || p.has(kHasSegmentIds) || p.softcap > 0.f || !rt.q_vec ||
-                             !rt.k_vec || !rt.v_vec || !rt.do_vec;
-  rt.general = sm90_excluded || p.has(kDropout);
+  // The mma.sync kernels read bias, mask, the score modifiers (soft-cap, ALiBi, segment ids)
+  // and dropout in their general variant only; the sm_90 kernel reads no bias or mask, and
+  // dropout and the score modifiers each in a copy of its own (BwdSm90Config), not both at
+  // once. A scale operand is read by the mma.sync kernels' general variant only
+  // (with_scale_operand).
+  const bool score_mods = has_score_mods(p);
+  const bool sm90_excluded = has_bias || has_mask || (score_mods && p.has(kDropout)) || p.has(kScaleOperand) ||
+                             !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+  rt.general = sm90_excluded || p.has(kDropout) || score_mods;
   // The fast variant's larger tiles can exceed a device's shared memory
   // (sm_86 / sm_89 have 99 KB per block); the general variant computes the
   // same with smaller ones. 1 KB of slack covers the kernel's static shared
@@ -244,7 +256,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.dbias_reduced = split_count(p, rt.dbias_reduce_mask, true);
   rt.dbias_one_row = want_dbias && p.seqlen_q > 1 && p.dbias.row_stride == 0;
   rt.dbias_one_col = want_dbias && p.seqlen_k > 1 && p.dbias.col_stride == 0;
-  // Segment ids run in the general variant (sm90_excluded), whose tiles the ranges follow.
+  // The id ranges follow the tiles of the main kernel that runs: the sm_90 kernel's (BLOCK_N
+  // 128) or the general variant's (BwdWorkspaceLayout sizes the tables for the latter, the
+  // larger).
   if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, base + w.segments_off, rt.segments,
                                         stream)) != cudaSuccess)
     return err;

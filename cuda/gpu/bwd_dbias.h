@@ -34,7 +34,7 @@ __device__ __forceinline__ U from_float(float x) {
 
 template <class Cfg, class BiasT>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    dbias_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime rt) {
+    dbias_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime launch_rt) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   constexpr int MF = Cfg::kSMF, NF = Cfg::kSNF;
@@ -51,19 +51,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int wm = warp / Cfg::kSWarpsN, wn = warp % Cfg::kSWarpsN;
   const int row0 = wm * Cfg::kSRows, col0 = wn * Cfg::kSCols;
   const int head_dim = static_cast<int>(p.head_dim);
-  const bool one_row = rt.dbias_one_row, one_col = rt.dbias_one_col;
+  const bool one_row = launch_rt.dbias_one_row, one_col = launch_rt.dbias_one_col;
 
-  int64_t kept, i_begin = 0, i_end = rt.q_tiles, j_begin = 0, j_end = rt.k_tiles;
+  int64_t kept, i_begin = 0, i_end = launch_rt.q_tiles, j_begin = 0, j_end = launch_rt.k_tiles;
   if (one_row && one_col) {
     kept = blockIdx.x;
   } else if (one_row) {
-    kept = blockIdx.x / rt.k_tiles;
-    j_begin = blockIdx.x % rt.k_tiles, j_end = j_begin + 1;
+    kept = blockIdx.x / launch_rt.k_tiles;
+    j_begin = blockIdx.x % launch_rt.k_tiles, j_end = j_begin + 1;
   } else {
-    kept = blockIdx.x / rt.q_tiles;
-    i_begin = blockIdx.x % rt.q_tiles, i_end = i_begin + 1;
+    kept = blockIdx.x / launch_rt.q_tiles;
+    i_begin = blockIdx.x % launch_rt.q_tiles, i_end = i_begin + 1;
   }
-  const InstanceIndex out_inst(p, compose_instance(p, rt.dbias_reduce_mask, kept, 0));
+  const int64_t out_linear = compose_instance(p, launch_rt.dbias_reduce_mask, kept, 0);
+  const BwdRuntime rt = with_scale_operand(p, launch_rt, out_linear);
+  const InstanceIndex out_inst(p, out_linear);
   BiasT* out = out_inst.origin<BiasT>(p, p.dbias);
   const int64_t out_rs = p.dbias.row_stride, out_cs = p.dbias.col_stride;
 
@@ -91,6 +93,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                             : static_cast<const void*>(inst.origin<const T>(p, p.bias));
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
+      in.alibi2 = 1.4426950408889634f * alibi_slope(p, linear);
       constexpr bool ids = Cfg::kSegmentIds;
       if (ids) {
         in.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);

@@ -6,6 +6,8 @@
 //   S, dP -> P, dS (registers, then shared memory as T)
 //   dV += P^T dO,  dK += dS^T Q
 //   dQ(tile) += dS K   into the fp32 workspace
+//   dscale += Σ dS o S  (a traced scale's gradient, general variant: from float32 dS and a
+//                        second S = Q K^T; one sum per CTA, bwd_key_tile.h's store_dscale)
 //
 // dQ goes into the fp32 workspace in a fixed order, so the result is bitwise
 // reproducible: bwd_dq.h has the protocol (shared with bwd_sm90_kernel.h).
@@ -59,7 +61,7 @@ __device__ __forceinline__ void accumulate_dq(float* acc, int* sems, int target,
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
-    backward_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime rt) {
+    backward_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime launch_rt) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kThreads = Cfg::kThreads;
   using QTile = typename Cfg::QTile;
@@ -76,9 +78,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   float* dq_stage = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);  // sm_90 only (see the launcher)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const KeyTileTicket ticket = take_key_tile(rt, tid);
-  // Not a structured binding: next_up below captures key_tile, which C++17 lambdas cannot.
+  const KeyTileTicket ticket = take_key_tile(launch_rt, tid);
+  // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
   const int64_t kept = ticket.kept, key_tile = ticket.key_tile;
+  // A scale operand runs the general variant only (backward.cu): the fast one keeps its registers.
+  const BwdRuntime rt = Cfg::kGeneral
+                            ? with_scale_operand(p, launch_rt, compose_instance(p, launch_rt.kv_reduce_mask, kept, 0))
+                            : launch_rt;
   const int64_t n0 = key_tile * BN;
 
   const int s_row0 = (warp / Cfg::kSWarpsN) * Cfg::kSRows, s_col0 = (warp % Cfg::kSWarpsN) * Cfg::kSCols;
@@ -90,6 +96,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   float dk[Cfg::kKVMF][Cfg::kKVNF][4], dv[Cfg::kKVMF][Cfg::kKVNF][4];
   zero_frags(dk);
   zero_frags(dv);
+  // A scale operand runs the general variant only (backward.cu), so only it forms dscale.
+  const bool want_dscale = Cfg::kGeneral && p.has(kHasDscale);
+  float dscale = 0.f;  // this thread's share of the CTA's (bwd_scores.h, dscale_share)
 
   ResidentKv<T> resident;  // a GQA group shares the K/V rows
   int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
@@ -111,6 +120,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                               : static_cast<const void*>(inst.origin<const T>(p, p.bias));
       if (p.has(kHasMask)) in.mask = inst.origin<const uint8_t>(p, p.mask);
       if (p.has(kDropout)) in.seed = inst.origin<const uint32_t>(p, p.seed);
+      in.alibi2 = 1.4426950408889634f * alibi_slope(p, linear);
     }
     constexpr bool ids = Cfg::kSegmentIds;
     if (ids) {
@@ -118,13 +128,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       in.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
     }
     const int64_t i_last = (rows.hi - 1) / BM;
-    auto next_up = [&](int64_t i) {  // the next Q tile above i to visit; > i_last when none
-      do ++i;
-      while (i <= i_last && ids && !rt.segments.may_meet(linear, i, key_tile));
-      return i;
+    auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
+      return ids ? rt.segments.next_meeting_q_tile(linear, i, i_last, key_tile, lane) : i;
     };
-    const int64_t i_first = rows.lo / BM;
-    const int64_t i_begin = !ids || rt.segments.may_meet(linear, i_first, key_tile) ? i_first : next_up(i_first);
+    const int64_t i_begin = visit_from(rows.lo / BM);
     if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
 
     // Every warp is past its last reads of the previous instance's tiles (sK / sV in the dQ
@@ -148,7 +155,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll 1
     for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, stage = kStages == 2 ? stage ^ 1 : 0) {
       const int64_t m0 = i * BM;
-      i_next = next_up(i);
+      i_next = visit_from(i + 1);
       cp_async_wait<0>();  // Q, dO (and K, V the first time) landed
       __syncthreads();
       // Double buffered: the next tile loads during this whole one. Its stage
@@ -163,6 +170,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         in.segment_test = ids && rt.segments.needs_test(linear, i, key_tile);
         probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane);
         store_frags<T>(sP, pr, s_row0, s_col0, 1.f, lane);
+        if (want_dscale) dscale += dscale_share<Cfg>(pr, ds, sQ, sK, s_row0, s_col0, lane);
         store_frags<T>(sdS, ds, s_row0, s_col0, 1.f, lane);
       }
       __syncthreads();
@@ -185,6 +193,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
   flush_dq_turn(pending, lane);
   store_dk_dv<kThreads, BN, T>(p, rt, sK, sV, dk, dv, kv_row0, kv_col0, kept, n0, tid);
+  if (want_dscale) store_dscale<kThreads, BN>(p, rt, dscale, kept, n0, tid);
 }
 
 }  // namespace jaxflash::gpu

@@ -92,8 +92,10 @@ struct BwdConfig {
 //   lse2    : f32 [I][T_pad]  the lse's hi (base 2, params.h), +inf for rows that get no gradient
 //   lse2_lo : f32 [I][T_pad]  the lse's lo, 0 for those rows
 //   delta   : f32 [I][T_pad]  rowsum(dO o O) - dlse, 0 for those rows
-//   segments: the per-tile id ranges of segment ids (segment_tiles.h), at the general
-//             variant's tiles (ids run there only); none without ids
+//   segments: the per-tile id ranges of segment ids (segment_tiles.h), at the tiles of the
+//             kernel that runs (launch_backward): sized here for the general variant's, whose
+//             BLOCK_N (64 for 16-bit D = 64 / 128) is the smallest of the kernels that take
+//             ids, so the others' tables fit (BLOCK_M is common to all); none without ids
 // counter, sems and dq_acc are contiguous: one memset clears them.
 struct BwdWorkspaceLayout {
   int64_t block_m, q_tiles, t_pad, d_pad;
@@ -124,7 +126,8 @@ struct BwdWorkspaceLayout {
   }
 };
 
-// Launch-time values, computed once on the host (backward.cu).
+// Launch-time values, computed once on the host (backward.cu); with_scale_operand below sets the
+// scale's under kScaleOperand.
 struct BwdRuntime {
   float score_mul;  // scale * log2 e
   float softcap2;   // log2 e * logits_soft_cap (primitives/score.h), 0 without one (general variant)
@@ -144,7 +147,7 @@ struct BwdRuntime {
   int64_t q_tiles, t_pad, d_pad;
   BwdDqGrid dq;   // the accumulator's layout (the post-pass reads it)
   bool dq_bulk;   // sm_90+: dQ staged in shared memory and bulk-reduced
-  bool general;   // the main kernel variant: bias, mask, dropout, segment ids or unaligned q / k / v / dO rows
+  bool general;   // the main kernel variant: bias, mask, dropout, score modifiers or unaligned q / k / v / dO rows
   bool sm90;      // the main kernel is the sm_90 (wgmma) one, bwd_sm90_kernel.h
 
   // The main kernel: one CTA per (kept instance, key tile of the variant's
@@ -162,10 +165,30 @@ struct BwdRuntime {
   int64_t dbias_kept, dbias_reduced;
   bool dbias_one_row, dbias_one_col;
 
-  // Segment ids: the id ranges of the general variant's Q tiles (block_m) and key tiles
-  // (block_n), in the workspace; null tables without ids.
+  // Segment ids: the id ranges of the main kernel's Q tiles (block_m) and key tiles (block_n:
+  // the sm_90 kernel's or the general variant's), in the workspace; null tables without ids.
   SegmentTiles segments;
 };
+
+// The runtime a backward kernel computes instance `linear` with: the launch's, with the scale
+// (dk's factor) and score_mul from that instance's scale under kScaleOperand (a traced scale:
+// device memory, which the host cannot read without synchronising). A CTA reads it for the
+// first instance it sums over: the scale is the same along the axes dk, dv and dbias sum over
+// (check_gradient_layouts in decode.h). dq's factor is the postpass's, 1 then (params.h).
+__device__ __forceinline__ BwdRuntime with_scale_operand(const AttentionParams& p, BwdRuntime rt, int64_t linear) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  if (p.has(kScaleOperand)) {
+    rt.scale = instance_scale(p, linear);
+    rt.score_mul = rt.scale * kLog2e;
+  }
+  return rt;
+}
+
+// Whether the call modifies the scores in a way the sm_90 kernel runs in its copy for them
+// (BwdSm90Config::kScoreMods): a logit soft-cap, ALiBi or segment ids.
+inline bool has_score_mods(const AttentionParams& p) {
+  return p.softcap > 0.f || p.has(kHasAlibi) || p.has(kHasSegmentIds);
+}
 
 // The instance axes (bits) along which an output is shared: stride 0, size > 1.
 inline uint32_t shared_axes(const AttentionParams& p, const ArrayView& out) {

@@ -83,4 +83,27 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const BwdR
                                 head_dim, rt.dv_vec, tid);
 }
 
+// The CTA's dscale (kHasDscale, params.h): the threads' shares summed in a fixed order
+// (deterministic, no atomics) into the key tile's first row of its kept instance, 0 into the
+// tile's other rows, so that every element has one writer. Every thread of the CTA calls it.
+template <int kThreads, int BN>
+__device__ __forceinline__ void store_dscale(const AttentionParams& p, const BwdRuntime& rt, float share,
+                                             int64_t kept, int64_t n0, int tid) {
+  static_assert(BN <= kThreads, "a thread per row of the tile");
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float warp_sums[kWarps];
+#pragma unroll
+  for (int m = 16; m >= 1; m /= 2) share += __shfl_xor_sync(0xffffffffu, share, m);
+  if (tid % 32 == 0) warp_sums[tid / 32] = share;
+  __syncthreads();
+  const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
+  if (tid >= rows_out) return;
+  float sum = 0.f;
+  if (tid == 0)
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += warp_sums[w];
+  const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // stride 0 on the group, as dk
+  out.origin<float>(p, p.dscale)[(n0 + tid) * p.dscale.row_stride] = sum;
+}
+
 }  // namespace jaxflash::gpu

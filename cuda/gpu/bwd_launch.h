@@ -38,9 +38,9 @@ cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt,
   return cudaGetLastError();
 }
 
-template <class T, int D, bool kDropout>
+template <class T, int D, bool kDropout, bool kScoreMods = false>
 cudaError_t launch_backward_sm90(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdSm90Config<T, D, kDropout>;
+  using Cfg = BwdSm90Config<T, D, kDropout, kScoreMods>;
   auto* kernel = &backward_sm90_kernel<Cfg>;
   if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = rt.kv_kept * rt.k_tiles;
@@ -71,13 +71,16 @@ cudaError_t launch_backward_dbias(const AttentionParams& p, const BwdRuntime& rt
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   if constexpr (bwd_sm90_covers(sizeof(T), D)) {
-    if (rt.sm90)  // no bias, so no dbias
-      return p.has(kDropout) ? launch_backward_sm90<T, D, true>(p, rt, stream)
-                             : launch_backward_sm90<T, D, false>(p, rt, stream);
+    if (rt.sm90)  // no bias, so no dbias; dropout and score modifiers not together (backward.cu)
+      return p.has(kDropout)   ? launch_backward_sm90<T, D, true>(p, rt, stream)
+             : has_score_mods(p) ? launch_backward_sm90<T, D, false, true>(p, rt, stream)
+                                 : launch_backward_sm90<T, D, false>(p, rt, stream);
   }
-  const bool ids = p.has(kHasSegmentIds), cap = p.softcap > 0.f;
+  // Segment ids with ALiBi run the copy for ids and a soft-cap (bwd_scores.h: the copy for
+  // ids alone has no ALiBi code).
+  const bool ids = p.has(kHasSegmentIds), cap = p.softcap > 0.f, alibi = p.has(kHasAlibi);
   cudaError_t err = !rt.general   ? launch_backward_main<T, D, false, M>(p, rt, stream)
-                    : ids && cap  ? launch_backward_main<T, D, true, M, true, true>(p, rt, stream)
+                    : ids && (cap || alibi) ? launch_backward_main<T, D, true, M, true, true>(p, rt, stream)
                     : ids         ? launch_backward_main<T, D, true, M, false, true>(p, rt, stream)
                     : cap         ? launch_backward_main<T, D, true, M, true>(p, rt, stream)
                                   : launch_backward_main<T, D, true, M>(p, rt, stream);

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "bwd_kernel_traits.h"
+#include "primitives/alibi.h"
 #include "primitives/bwd_score.h"
 #include "primitives/dropout.h"
 #include "primitives/warp_gemm.h"
@@ -42,6 +43,7 @@ struct ScoreInputs {
   const int32_t* q_ids = nullptr;
   const int32_t* kv_ids = nullptr;
   bool segment_test = false;
+  float alibi2 = 0.f;  // ALiBi: log2 e * the instance's slope (general variant; 0 without)
 };
 
 // Whether every row of [m0, m0 + BM) below q_len sees every key of [n0, n0 + BN)
@@ -107,7 +109,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
         for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const float t = tanhf(pr[mf][nf][i] * in_mul);
+            const float t = soft_cap_tanh<T>(pr[mf][nf][i] * in_mul);
             pr[mf][nf][i] = rt.softcap2 * t;
             if constexpr (kSlope) slope[mf][nf][i] = (1.f + t) * (1.f - t);  // as jax's tanh JVP
           }
@@ -128,6 +130,16 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
         if (v.col_stride == 1) add(std::true_type{}, static_cast<const T*>(in.bias));
         else add(std::false_type{}, static_cast<const T*>(in.bias));
       }
+    }
+    // ALiBi, after the soft-cap, with the bias (params.h). Not in the main kernel's copy for
+    // segment ids without a soft-cap: its registers would cost every packed-sequence call
+    // spills (bf16 D = 128, sm_90a: 0 -> 92 / 236 B); launch_backward_instance runs ALiBi with
+    // ids in the soft-cap copy, whose cap is off at run time.
+    constexpr bool kAlibi = kDsOfLogits || !Cfg::kSegmentIds || Cfg::kSoftcap;
+    if (kAlibi && in.alibi2 != 0.f) {
+      const float mul = scaled ? 1.f : rt.score_mul;
+      scaled = true;
+      alibi_scores(pr, blk.diag, mul, in.alibi2, lane);
     }
   }
 #pragma unroll
@@ -163,6 +175,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   // is: an inf in V cannot leak into invisible positions as 0 * inf = NaN.
   auto apply_slope = [&] {  // dS of the logits -> dS of Q K^T
     if constexpr (kSlope) {
+      if (!(rt.softcap2 > 0.f)) return;  // the copy also runs ALiBi with ids, uncapped
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -195,6 +208,28 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
         ds[mf][nf][i] = pv != 0.f ? pv * (ds[mf][nf][i] - delta[mf][i >> 1]) : 0.f;
       }
   apply_slope();
+}
+
+// A traced scale's gradient (kHasDscale, params.h): this lane's share of Σ dS∘(Q Kᵀ) over its
+// warp block, both factors in float32 (dS as probs_and_dscores left it, before any rounding to
+// T). Q Kᵀ is recomputed into `qk`, P's registers once P is in shared memory: kept from
+// probs_and_dscores instead, it would hold a register per score through the dP GEMM, where the
+// general variant's registers peak.
+template <class Cfg>
+__device__ __forceinline__ float dscale_share(float (&qk)[Cfg::kSMF][Cfg::kSNF][4],
+                                              const float (&ds)[Cfg::kSMF][Cfg::kSNF][4],
+                                              const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK, int row0,
+                                              int col0, int lane) {
+  zero_frags(qk);
+  warp_gemm<typename Cfg::T, Cfg::kF32Mma, AOrder::kMK, BOrder::kNK, Cfg::kHeadDim>(qk, sQ, row0, sK, col0, lane);
+  float share = 0.f;
+#pragma unroll
+  for (int mf = 0; mf < Cfg::kSMF; ++mf)
+#pragma unroll
+    for (int nf = 0; nf < Cfg::kSNF; ++nf)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) share = fmaf(ds[mf][nf][i], qk[mf][nf][i], share);
+  return share;
 }
 
 }  // namespace jaxflash::gpu

@@ -1,7 +1,9 @@
 // The sm_90 backward kernel: the FlashAttention-2 backward of bwd_kernel.h
 // (same grid, tickets, GQA loop, Q-tile range and dQ protocol) with every
 // product on Hopper's warpgroup MMA (primitives/wgmma.h), for the cases of
-// bwd_tile_size.h's sm_90 table (16-bit, D = 64 / 128, no bias or mask).
+// bwd_tile_size.h's sm_90 table (16-bit, D = 64 / 128, no bias or mask), with
+// dropout or the score modifiers (soft-cap, ALiBi, segment ids) in copies of
+// their own.
 //
 // Why a second kernel: the mma.sync backward feeds all five products from
 // shared memory through ldmatrix, 8 warps per SM; it runs at 0.7-0.8 of
@@ -37,7 +39,34 @@
 // of their own: on the H100 those were ~30% of the consumer warps' stall
 // samples (D = 128, N = 4k) when the warps did it themselves. The stage is
 // double buffered (mbarriers full / empty); the warpgroup gives its registers
-// to the consumers (setmaxnreg), as the forward's producer does.
+// to the consumers (setmaxnreg), as the forward's producer does. The writer
+// walks the consumers' Q tiles itself, except in the copy for the score
+// modifiers, where the consumers name each staged tile and its turn (DqTurn):
+// under segment ids they skip tiles, and so the writer adds exactly the tiles
+// they computed without a loop of its own to agree with theirs.
+//
+// The score modifiers (BwdSm90Config::kScoreMods; params.h's order: soft-cap,
+// then ALiBi and the masks), on the transposed accumulator, keys as rows:
+//   soft-cap  t = tanh(S^T scale / cap) on the SFU (soft_cap_tanh: one MUFU op
+//             beside exp2's, where tanhf is ~20 instructions per score), the
+//             base-2 logit log2e cap t; dS^T is multiplied by the slope
+//             (1 - t)(1 + t), kept per score from P^T to dS^T. Why the
+//             approximation is enough in 16 bits: its ~2^-11 relative error
+//             moves the capped logit by ~2^-11 |logit|, what rounding the logit
+//             to fp16 would (a quarter of bf16's), so P by as much relative:
+//             below bf16's rounding of P (2^-9) for |logit| < 4, the slope's
+//             error (~2^-10 absolute) below bf16's rounding of dS^T. fp16 P
+//             resolves 2^-12, finer than the cap's error from |logit| ~ 0.5 on
+//             (docs/DESIGN.md: to check against the tests' rule on the GPU).
+//   ALiBi     -log2e slope |key - query - offset|: alibi.h's fragment helper,
+//             whose distance |col - row - diag| is, with rows and columns
+//             swapped, |row - col + diag|, so it takes -diag.
+//   segments  a Q tile whose id range cannot meet the key tile's is not visited
+//             (segment_tiles.h: not loaded, no turn taken, and the dQ turns of
+//             the tiles visited count only key tiles that meet, as in
+//             bwd_kernel.h); a pair whose ranges are not one id gets the
+//             per-element test: each lane's two key ids are loaded once per
+//             instance, the Q tile's ids come with it into shared memory.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +76,7 @@
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
 #include "instance.h"
+#include "primitives/alibi.h"
 #include "primitives/smem_tile.h"
 #include "primitives/tma.h"
 #include "primitives/wgmma.h"
@@ -56,12 +86,18 @@ namespace jaxflash::gpu {
 
 // kDropout: a copy of the kernel with dropout, so that the copy without keeps
 // its registers (the dropout's state adds ~50-100 bytes of spills).
-template <class T_, int D, bool kDropout_>
+// kScoreMods: a copy with the soft-cap, ALiBi and segment ids, run-time values
+// picking which apply, so that the plain copy keeps its registers (the
+// soft-cap's slopes alone are 32 per thread). Not with dropout: backward.cu
+// runs that combination on the mma.sync general kernel.
+template <class T_, int D, bool kDropout_, bool kScoreMods_ = false>
 struct BwdSm90Config {
   using T = T_;
   static_assert(bwd_sm90_covers(sizeof(T), D), "see bwd_tile_size.h");
   static constexpr int kHeadDim = D;
   static constexpr bool kDropout = kDropout_;
+  static constexpr bool kScoreMods = kScoreMods_;
+  static_assert(!(kDropout && kScoreMods), "dropout with score modifiers runs the mma.sync kernel");
   static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;  // and the dQ writer's
@@ -83,16 +119,18 @@ struct BwdSm90Config {
   using DsTile = GmmaTile<T, kBlockN, kBlockM>;  // dS^T, [key][query]
   // Offsets from the 1024-byte aligned base: Q / dO of stage s at 2 s (2 s + 1)
   // QTile::kBytes, then K, V, dS^T, lse2 / delta of stage s at kStatsOff +
-  // (2 s, 2 s + 1) BLOCK_M floats, the dropout's row keys of stage s at
-  // kRowKeysOff + s BLOCK_M words, the two dQ stages, their mbarriers (full
-  // 0, 1, empty 0, 1).
+  // (2 s, 2 s + 1) BLOCK_M floats, the Q tile's row words of stage s at
+  // kRowWordsOff + s BLOCK_M words (the dropout's row keys, or with kScoreMods
+  // the queries' segment ids), the two dQ stages, their mbarriers (full 0, 1,
+  // empty 0, 1) and their DqTurns.
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
   static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
-  static constexpr int kRowKeysOff = kStatsOff + 4 * kBlockM * 4;
-  static constexpr int kDqStageOff = kRowKeysOff + 2 * kBlockM * 4;
+  static constexpr int kRowWordsOff = kStatsOff + 4 * kBlockM * 4;
+  static constexpr int kDqStageOff = kRowWordsOff + 2 * kBlockM * 4;
   static constexpr int kDqTileFloats = kBlockM * D;
   static constexpr int kDqBarsOff = kDqStageOff + 2 * kDqTileFloats * 4;
-  static constexpr int kSmemBytes = kDqBarsOff + 4 * 8 + 1024;
+  static constexpr int kDqTurnsOff = kDqBarsOff + 4 * 8;
+  static constexpr int kSmemBytes = kDqTurnsOff + 2 * 16 + 1024;
   static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
 };
 
@@ -114,31 +152,73 @@ __device__ __forceinline__ void mask_positions_transposed(float (&s)[1][NF][4], 
     }
 }
 
-// The writer's loop: the consumers' instances and Q tiles in their order, each
-// tile's staged dQ added in its turn (bwd_dq.h: add_dq_tile), on the tile's
-// first semaphore.
+// -inf where the query's and the key's segment ids differ, for an accumulator
+// whose rows are keys and columns queries: key_ids[h] is the id of the lane's
+// row 8 h + lane / 4, q_ids those of the block's queries (shared memory; the
+// lane's two adjacent columns in one 8-byte load). Positions past the lengths
+// are left to the position mask and to lse2 = +inf (their ids are not read).
+template <int NF>
+__device__ __forceinline__ void apply_segment_ids_transposed(float (&s)[1][NF][4], const int32_t (&key_ids)[2],
+                                                             const int32_t* q_ids, int lane) {
+#pragma unroll
+  for (int nf = 0; nf < NF; ++nf) {
+    const int2 query = *reinterpret_cast<const int2*>(q_ids + frag_col(nf, 0, lane));
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if ((e & 1 ? query.y : query.x) != key_ids[e >> 1]) s[0][nf][e] = -INFINITY;
+  }
+}
+
+// One staged dQ tile as the consumers hand it to the writer: its accumulator
+// tile, numbered linear * q_tiles + i over (instance, Q tile) (its floats at
+// tile * BLOCK_M * d_pad, its semaphores at tile * warps), and the key tile's
+// turn on it (bwd_dq.h); tile -1 ends the CTA's turns.
+struct DqTurn {
+  int64_t tile;
+  int target;
+};
+
+// The writer's loop: the staged tiles in the consumers' order, each added in
+// its turn (bwd_dq.h: add_dq_tile) on the tile's first semaphore. In the
+// kScoreMods copy, whose consumers skip Q tiles by segment ids, they name each
+// tile and its turn (DqTurn) until the end mark; the other copies' writer walks
+// the consumers' instances and Q tiles itself and forms the turns from the
+// visible range: with the named turns the plain copy measured 0.94-0.96 of
+// this at D = 128, N >= 4k (H100, kernel alone).
 template <class Cfg>
 __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
-                                               int64_t key_tile, const float* stages, uint64_t* full,
-                                               uint64_t* empty) {
+                                               int64_t key_tile, const float* stages, const DqTurn* turns,
+                                               uint64_t* full, uint64_t* empty) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
-  const int64_t n0 = key_tile * BN;
   int* pending = nullptr;
-  uint32_t turn = 0;
+  auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
+    add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
+                rt.sems + tile * Cfg::kDq.warps, target, pending, empty + stage.index);
+  };
+  if constexpr (Cfg::kScoreMods) {
 #pragma unroll 1
-  for (int64_t r = 0; r < rt.kv_reduced; ++r) {
-    const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
-    const InstanceBounds b = instance_bounds(p, linear);
-    const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
-#pragma unroll 1
-    for (int64_t i = rows.lo / BM; rows.lo < rows.hi && i <= (rows.hi - 1) / BM; ++i, ++turn) {
-      const int64_t m0 = i * BM;
-      const Stage<2> stage(turn);
+    for (uint32_t n = 0;; ++n) {
+      const Stage<2> stage(n);
       mbar_wait(full + stage.index, stage.parity);
-      const int target = static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN);
-      add_dq_tile(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad, stages + stage.index * kTileFloats,
-                  kTileFloats * 4, rt.sems + (linear * rt.q_tiles + i) * Cfg::kDq.warps, target, pending,
-                  empty + stage.index);
+      const DqTurn turn = turns[stage.index];
+      if (turn.tile < 0) break;
+      add(stage, turn.tile, turn.target);
+    }
+  } else {
+    const int64_t n0 = key_tile * BN;
+    uint32_t n = 0;
+#pragma unroll 1
+    for (int64_t r = 0; r < rt.kv_reduced; ++r) {
+      const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
+      const InstanceBounds b = instance_bounds(p, linear);
+      const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
+#pragma unroll 1
+      for (int64_t i = rows.lo / BM; rows.lo < rows.hi && i <= (rows.hi - 1) / BM; ++i, ++n) {
+        const int64_t m0 = i * BM;
+        const Stage<2> stage(n);
+        mbar_wait(full + stage.index, stage.parity);
+        add(stage, linear * rt.q_tiles + i, static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN));
+      }
     }
   }
   flush_dq_turn(pending, 0);
@@ -151,6 +231,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kThreads = Cfg::kConsumerThreads;
   constexpr int kSubM = Cfg::kSubM;
+  constexpr bool kMods = Cfg::kScoreMods;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
   using DsTile = typename Cfg::DsTile;
@@ -159,10 +240,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const KTile sK{smem + Cfg::kKOff}, sV{smem + Cfg::kVOff};
   const DsTile sdS{smem + Cfg::kDsOff};
   float* const stats = reinterpret_cast<float*>(smem + Cfg::kStatsOff);
-  uint32_t* const row_keys = reinterpret_cast<uint32_t*>(smem + Cfg::kRowKeysOff);
+  uint32_t* const row_words = reinterpret_cast<uint32_t*>(smem + Cfg::kRowWordsOff);
   float* const dq_stages = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
   uint64_t* const dq_full = reinterpret_cast<uint64_t*>(smem + Cfg::kDqBarsOff);
   uint64_t* const dq_empty = dq_full + 2;
+  DqTurn* const dq_turns = reinterpret_cast<DqTurn*>(smem + Cfg::kDqTurnsOff);
 
   // The warpgroup, as a value ptxas knows to be warp-uniform (fwd_sm90_kernel.h).
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
@@ -173,10 +255,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     mbar_init_fence();
   }
-  const auto [kept, key_tile] = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
+  const KeyTileTicket ticket = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
+  // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
+  const int64_t kept = ticket.kept, key_tile = ticket.key_tile;
   if (warpgroup == 0) {
     regs_release<Cfg::kWriterRegs>();
-    if (threadIdx.x == 0) write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_full, dq_empty);
+    if (threadIdx.x == 0) write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_turns, dq_full, dq_empty);
     return;
   }
   regs_acquire<Cfg::kConsumerRegs>();
@@ -192,13 +276,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int64_t n0 = key_tile * BN;
   const int head_dim = static_cast<int>(p.head_dim);
+  // The soft-cap (kScoreMods): tanh's argument is S^T score_mul / softcap2.
+  const bool capped = kMods && rt.softcap2 > 0.f;
+  const float cap_in = capped ? rt.score_mul / rt.softcap2 : 0.f;
 
   Acc<D> dk, dv;
   zero_frags(dk);
   zero_frags(dv);
 
   ResidentKv<T> resident;  // a GQA group shares the K/V rows
-  uint32_t dq_turn = 0;    // Q tiles done: the dQ stage and its phase
+  uint32_t dq_turn = 0;    // tiles handed to the writer: the dQ stage and its phase
+  // Hands the next dQ stage to the writer (kScoreMods: with `turn`), once the writer's
+  // reduction of two turns ago has read it; `stage_frags(dst)` first writes the tile's
+  // partial into it.
+  auto hand_over = [&](const DqTurn& turn, auto&& stage_frags) {
+    const Stage<2> stage(dq_turn++);
+    mbar_wait(dq_empty + stage.index, stage.parity ^ 1u);
+    stage_frags(dq_stages + stage.index * Cfg::kDqTileFloats);
+    if constexpr (kMods)
+      if (tid == 0) dq_turns[stage.index] = turn;
+    fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
+    __syncwarp();
+    mbar_arrive_if(dq_full + stage.index, lane == 0);
+  };
 
 #pragma unroll 1
   for (int64_t r = 0; r < rt.kv_reduced; ++r) {
@@ -206,12 +306,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const InstanceBounds b = instance_bounds(p, linear);
     const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
     if (rows.lo >= rows.hi) continue;
+    const int64_t i_last = (rows.hi - 1) / BM;
+    auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
+      return kMods ? rt.segments.next_meeting_q_tile(linear, i, i_last, key_tile, lane) : i;
+    };
+    const int64_t i_begin = visit_from(rows.lo / BM);
+    if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
     const InstanceIndex inst(p, linear);
     const T* q = inst.origin<const T>(p, p.q);
     const T* d_o = inst.origin<const T>(p, p.d_o);
     const float* lse2_rows = rt.lse2 + linear * rt.t_pad;
     const float* delta_rows = rt.delta + linear * rt.t_pad;
     const uint32_t* seed = Cfg::kDropout ? inst.origin<const uint32_t>(p, p.seed) : nullptr;
+    constexpr float kLog2e = 1.4426950408889634f;
+    const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
+    // Segment ids (kScoreMods): the queries', and the lane's two key rows' (keys past S
+    // are masked by position).
+    const bool ids = kMods && rt.segments.q != nullptr;
+    const int32_t* q_ids = ids ? inst.origin<const int32_t>(p, p.q_segment_ids) : nullptr;
+    int32_t key_ids[2] = {};
+    if (ids) {
+      const int32_t* kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t key = n0 + warp_key0 + frag_row(0, 2 * h, lane);
+        if (key < p.seqlen_k) key_ids[h] = __ldg(kv_ids + key * p.kv_segment_ids.row_stride);
+      }
+    }
 
     // Every warpgroup's products of the previous instance are complete (each
     // waited for its own before its last barrier); this one orders them
@@ -222,9 +343,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                      static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);
 
     // Q, dO and their rows' lse2 / delta (the workspace pads them to whole
-    // tiles: lse2 = +inf past q_len, so those rows' P is 0), and with dropout
-    // the rows' keys: hashed once per tile here, rather than by each lane for
-    // the 16 queries of each of its sub-tiles.
+    // tiles: lse2 = +inf past q_len, so those rows' P is 0), and the rows'
+    // words: with dropout the rows' keys, hashed once per tile here rather
+    // than by each lane for the 16 queries of each of its sub-tiles; with
+    // segment ids the rows' ids (0 past T, where nothing reads them).
     auto load_q_tile = [&](int64_t m0, int s) {
       const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));
       load_tile<kThreads>(QTile{smem + 2 * s * QTile::kBytes}, q + m0 * p.q.row_stride, p.q.row_stride, valid,
@@ -236,28 +358,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cp_async_16(smem_addr(stats + (2 * s + which) * BM + 4 * c), (which ? delta_rows : lse2_rows) + m0 + 4 * c);
       }
       if (Cfg::kDropout && tid < BM)
-        row_keys[s * BM + tid] = make_dropout_key(seed, p.seed.col_stride, p.keep_threshold).row_key(m0 + tid);
+        row_words[s * BM + tid] = make_dropout_key(seed, p.seed.col_stride, p.keep_threshold).row_key(m0 + tid);
+      if (ids && tid < BM)
+        cp_async_4_zfill(smem_addr(row_words + s * BM + tid), q_ids + (m0 + tid) * p.q_segment_ids.row_stride,
+                         m0 + tid < p.seqlen_q ? 4 : 0);
       cp_async_commit();
     };
 
-    const int64_t i_first = rows.lo / BM, i_last = (rows.hi - 1) / BM;
     int stage = 0;
-    load_q_tile(i_first * BM, stage);
+    load_q_tile(i_begin * BM, stage);
 #pragma unroll 1
-    for (int64_t i = i_first; i <= i_last; ++i, stage ^= 1) {
+    for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, stage ^= 1) {
       const int64_t m0 = i * BM;
+      i_next = visit_from(i + 1);
       cp_async_wait<0>();
       fence_proxy_async_shared();  // the copies, before the tensor cores read them
       named_sync(Cfg::kConsumerBarrier, kThreads);
       // The other stage was last read by the previous tile's products, which
       // every warpgroup waited for before the barrier above.
-      if (i < i_last) load_q_tile(m0 + BM, stage ^ 1);
+      if (i_next <= i_last) load_q_tile(i_next * BM, stage ^ 1);
       const QTile sQ{smem + 2 * stage * QTile::kBytes}, sdO{smem + (2 * stage + 1) * QTile::kBytes};
       const float* lse2 = stats + 2 * stage * BM;
       const float* delta = lse2 + BM;
-      const uint32_t* tile_row_keys = row_keys + stage * BM;
+      const uint32_t* tile_row_words = row_words + stage * BM;
 
       const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
+      const bool id_test = ids && rt.segments.needs_test(linear, i, key_tile);
       // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
 #pragma unroll
       for (int sub = 0; sub < BM / kSubM; ++sub) {
@@ -279,13 +405,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // adjacent columns share one 8-byte load of the row statistics.
         wgmma_wait<1>();
         hold_acc(s);
+        // Each fragment's scores x to exponents: exponents(x, nf, l), l the lse2 of its two columns.
+        auto to_exponents = [&](auto&& exponents) {
 #pragma unroll
-        for (int nf = 0; nf < kSubM / 8; ++nf) {
-          const float2 l = *reinterpret_cast<const float2*>(lse2 + q0 + frag_col(nf, 0, lane));
+          for (int nf = 0; nf < kSubM / 8; ++nf)
+            exponents(s[0][nf], nf, *reinterpret_cast<const float2*>(lse2 + q0 + frag_col(nf, 0, lane)));
+        };
+        // The soft-cap's slope of each score, for dS^T (none without), as fp16 pairs (e = 2 h,
+        // 2 h + 1): half the registers, and a slope in [0, 1] to 2^-11, below tanh.approx's error.
+        uint32_t slope[kSubM / 8][2];
+        if (capped)
+          to_exponents([&](float (&x)[4], int nf, float2 l) {
+            float t[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][nf][e] = fmaf(s[0][nf][e], rt.score_mul, -(e & 1 ? l.y : l.x));
+            for (int e = 0; e < 4; ++e) {
+              t[e] = soft_cap_tanh<T>(x[e] * cap_in);
+              x[e] = fmaf(t[e], rt.softcap2, -(e & 1 ? l.y : l.x));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h)  // as jax's tanh JVP
+              slope[nf][h] =
+                  pack2((1.f - t[2 * h]) * (1.f + t[2 * h]), (1.f - t[2 * h + 1]) * (1.f + t[2 * h + 1]), __half{});
+          });
+        else
+          to_exponents([&](float (&x)[4], int, float2 l) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] = fmaf(x[e], rt.score_mul, -(e & 1 ? l.y : l.x));
+          });
+        if constexpr (kMods) {
+          const ScoreBlock blk(p, b, m0 + q0, n0 + warp_key0);  // (queries, keys): the accumulator transposed
+          if (alibi2 != 0.f) alibi_scores(s, -blk.diag, 1.f, alibi2, lane);  // hence -diag
+          if (!full) mask_positions_transposed(s, blk, lane);
+          if (id_test)
+            apply_segment_ids_transposed(s, key_ids, reinterpret_cast<const int32_t*>(tile_row_words) + q0, lane);
+        } else if (!full) {  // the ScoreBlock inside: outside, it cost this copy 40-48 B more spills
+          mask_positions_transposed(s, ScoreBlock(p, b, m0 + q0, n0 + warp_key0), lane);
         }
-        if (!full) mask_positions_transposed(s, ScoreBlock(p, b, m0 + q0, n0 + warp_key0), lane);
 #pragma unroll
         for (int nf = 0; nf < kSubM / 8; ++nf)
 #pragma unroll
@@ -305,7 +460,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const float2 dl = *reinterpret_cast<const float2*>(delta + col);
           uint32_t bits[2] = {};
           if constexpr (Cfg::kDropout) {
-            const uint2 rk = *reinterpret_cast<const uint2*>(tile_row_keys + col);
+            const uint2 rk = *reinterpret_cast<const uint2*>(tile_row_words + col);
             bits[0] = dropout_pair_bits(rk.x, key_pair);
             bits[1] = dropout_pair_bits(rk.y, key_pair);
           }
@@ -322,6 +477,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             dp[0][nf][e] = pv != 0.f ? pv * (dpv - (e & 1 ? dl.y : dl.x)) : 0.f;
           }
         }
+        if (capped)  // dS of the logits -> dS of K Q^T
+#pragma unroll
+          for (int nf = 0; nf < kSubM / 8; ++nf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float2 sl = __half22float2(*reinterpret_cast<const __half2*>(&slope[nf][h]));
+              dp[0][nf][2 * h] *= sl.x;
+              dp[0][nf][2 * h + 1] *= sl.y;
+            }
 
         // Both as T: the A operands of dV += P^T dO and dK += dS^T Q, and
         // dS^T to shared memory for dQ (register t of an A operand holds rows
@@ -356,20 +520,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kk = 0; kk < BN / 16; ++kk) wgmma_ss<T, 64, true, true>(dq, ds_op.step(kk), k_op.step(kk), kk > 0);
         wgmma_commit();
       }
+      // kScoreMods: the key tile's turn on this Q tile (bwd_dq.h), counting under segment ids
+      // only the key tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
+      DqTurn turn{};
+      if constexpr (kMods) {
+        const int64_t j_first = visible_keys(p, b, m0, m0 + BM).lo / BN;
+        turn = DqTurn{linear * rt.q_tiles + i, rt.segments.meeting_key_tiles(linear, i, j_first, key_tile, lane)};
+      }
       wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
       hold_acc(dq);
 
-      // To the writer: each warp's block in the accumulator's layout, once the
-      // writer's reduction of two tiles ago has read the stage.
-      const Stage<2> dq_stage(dq_turn);
-      mbar_wait(dq_empty + dq_stage.index, dq_stage.parity ^ 1u);
-      stage_dq_frags(dq, dq_stages + dq_stage.index * Cfg::kDqTileFloats + dq_warp * kDqWarpFloats, lane);
-      fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
-      __syncwarp();
-      mbar_arrive_if(dq_full + dq_stage.index, lane == 0);
-      ++dq_turn;
+      // To the writer: each warp's block in the accumulator's layout.
+      hand_over(turn, [&](float* stage_floats) {
+        stage_dq_frags(dq, stage_floats + dq_warp * kDqWarpFloats, lane);
+      });
     }
   }
+  if constexpr (kMods) hand_over(DqTurn{-1, 0}, [](float*) {});  // the end of the turns
   hold_acc(dk);
   hold_acc(dv);
   store_dk_dv<kThreads, BN, T, Cfg::kConsumerBarrier>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);

@@ -139,8 +139,9 @@ constexpr int kBwdKeyTilesInFlight = 4;
 
 // ---- The sm_90 family (bwd_sm90_kernel.h: wgmma) ----
 //
-// 16-bit D = 64 and 128 without bias or mask (the fast variant's cases) on
-// compute capability 9.0. A CTA is two warpgroups and owns 128 keys, 64 per
+// 16-bit D = 64 and 128 without bias or mask on compute capability 9.0
+// (the fast variant's cases, and dropout or the score modifiers: soft-cap,
+// ALiBi, segment ids). A CTA is two warpgroups and owns 128 keys, 64 per
 // warpgroup (the M of its S^T / dP^T / dK / dV products); a Q tile is
 // BLOCK_M rows, the same as the mma.sync kernels' so the two families share
 // the workspace layout. dQ = dS K (BLOCK_M x D) is split between the
@@ -175,14 +176,15 @@ constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
 }
 
 // Dynamic shared memory: the tiles, the per-stage row statistics (lse2, delta
-// and the dropout's row keys of the Q tile), the two dQ stages and their four
-// mbarriers, and 1 KB to align the tiles to 1024.
+// and a word per row: the dropout's row key or the query's segment id), the
+// two dQ stages, their four mbarriers and two 16-byte turns (DqTurn), and 1 KB
+// to align the tiles to 1024.
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
 constexpr int bwd_sm90_smem_bytes(int d) {
   const int bm = bwd_sm90_block_m(d), bn = kBwdSm90BlockN;
-  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 1024;
+  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 2 * 16 + 1024;
 }
 
 static_assert(bwd_sm90_block_m(64) == bwd_tiles(2, 64, false).block_m &&

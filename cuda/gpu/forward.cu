@@ -9,7 +9,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -90,12 +89,42 @@ constexpr bool kNoSm90 = true;
 constexpr bool kNoSm90 = false;
 #endif
 
-// Whether the sm_90 kernel runs this case (tile_size.h's fwd_sm90_covers, the
-// fast variants' conditions, dropout allowed: the kernel has a copy with it; a
-// device that runs sm_90a code, enough shared memory), and its descriptors if so.
+// A (query tile, key tile) shape: BLOCK_M x BLOCK_N.
+struct TileShape {
+  int block_m, block_n;
+};
+
+// Calls f(std::integral_constant<int, D>{}) for a head dim D the sm_90 kernel covers
+// (tile_size.h's fwd_sm90_covers: 64, 128, 256) and returns its result.
+template <class F>
+auto with_sm90_head_dim(int64_t head_dim, F&& f) {
+  if (head_dim == 64) return f(std::integral_constant<int, 64>{});
+  if (head_dim == 128) return f(std::integral_constant<int, 128>{});
+  return f(std::integral_constant<int, 256>{});
+}
+
+// Its tiles, and its shared memory, for the copy the launch picks (fwd_launch.h: kScoreMods
+// where fwd_score_mods).
+TileShape sm90_tiles(int64_t head_dim, bool score_mods) {
+  return with_sm90_head_dim(head_dim, [&](auto d) {
+    auto shape = [](auto tiles) { return TileShape{decltype(tiles)::kBlockM, decltype(tiles)::kBlockN}; };
+    constexpr int D = decltype(d)::value;
+    return score_mods ? shape(FwdSm90TileSize<D, true>{}) : shape(FwdSm90TileSize<D, false>{});
+  });
+}
+int sm90_smem_bytes(int64_t head_dim, bool score_mods) {
+  return with_sm90_head_dim(head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    return score_mods ? fwd_sm90_smem_bytes<D, true>() : fwd_sm90_smem_bytes<D, false>();
+  });
+}
+
+// Whether the sm_90 kernel runs this case (tile_size.h's fwd_sm90_covers,
+// kernel_traits.h's fwd_sm90_case; a device that runs sm_90a code, enough shared
+// memory), and its descriptors if so.
 cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   rt.sm90 = false;
-  if (kNoSm90 || !fwd_fast_case(p, rt) || !fwd_sm90_covers(dtype_bytes(p.dtype), static_cast<int>(p.head_dim)))
+  if (kNoSm90 || !fwd_sm90_case(p, rt) || !fwd_sm90_covers(dtype_bytes(p.dtype), static_cast<int>(p.head_dim)))
     return cudaSuccess;
   bool runs = false;
   if (const cudaError_t err = runs_sm90a_code(device, &runs); err != cudaSuccess || !runs) return err;
@@ -103,18 +132,12 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   if (const cudaError_t err = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
       err != cudaSuccess)
     return err;
-  // The covered head dims' tiles (tile_size.h).
-  auto tiles = [](auto d) {
-    using Tiles = FwdSm90TileSize<decltype(d)::value>;
-    return std::array<int, 3>{Tiles::kBlockM, Tiles::kBlockN, fwd_sm90_smem_bytes<decltype(d)::value>()};
-  };
-  const auto [block_m, block_n, smem] = p.head_dim == 64    ? tiles(std::integral_constant<int, 64>{})
-                                        : p.head_dim == 128 ? tiles(std::integral_constant<int, 128>{})
-                                                            : tiles(std::integral_constant<int, 256>{});
-  if (smem > smem_limit) return cudaSuccess;
-  rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, block_m) &&
-            encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, block_n) &&
-            encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, block_n);
+  const bool score_mods = fwd_score_mods(p, rt);
+  if (sm90_smem_bytes(p.head_dim, score_mods) > smem_limit) return cudaSuccess;
+  const TileShape tiles = sm90_tiles(p.head_dim, score_mods);
+  rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, tiles.block_m) &&
+            encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, tiles.block_n) &&
+            encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, tiles.block_n);
   return cudaSuccess;
 }
 
@@ -132,18 +155,16 @@ auto with_padded_head_dim(int64_t head_dim, F&& f) {
 }
 
 // The general variant's tiles (kernel_traits.h's FwdConfig) at the padded head dim the
-// dispatch below picks: segment ids run there only, so their tables use these tiles.
-struct GeneralTiles {
-  int block_m, block_n;
-};
+// dispatch below picks: segment ids run there unless the sm_90 kernel does (whose tiles are
+// at least as large, so that tables these size hold its tables too).
 template <int kElemBytes>
-GeneralTiles general_tiles(int64_t head_dim) {
+TileShape general_tiles(int64_t head_dim) {
   return with_padded_head_dim(head_dim, [](auto d) {
     using Tiles = FwdTileSize<kElemBytes, decltype(d)::value, true>;
-    return GeneralTiles{Tiles::kBlockM, Tiles::kBlockN};
+    return TileShape{Tiles::kBlockM, Tiles::kBlockN};
   });
 }
-GeneralTiles general_tiles(int64_t head_dim, DType dtype) {
+TileShape general_tiles(int64_t head_dim, DType dtype) {
   return dtype_bytes(dtype) == 4 ? general_tiles<4>(head_dim) : general_tiles<2>(head_dim);
 }
 
@@ -157,7 +178,7 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cu
 
 int64_t forward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
                                 DType dtype, bool has_segment_ids) {
-  const GeneralTiles tiles = general_tiles(head_dim, dtype);
+  const TileShape tiles = general_tiles(head_dim, dtype);
   return segment_tiles_bytes(has_segment_ids, num_instances, seqlen_q, seqlen_k, tiles.block_m, tiles.block_n);
 }
 
@@ -187,8 +208,10 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   FwdRuntime rt;
   rt.score_mul = p.scale * kLog2e;
   // The unfolded path takes the running max of raw scores, which commutes
-  // with the scaling only for scale > 0 (and with no soft-cap between them).
-  rt.fold_scale = has_bias || !(p.scale > 0.f) || p.softcap > 0.f;
+  // with the scaling only for scale > 0 (and with no soft-cap between them);
+  // a scale operand's sign is not known here (the kernel reads it:
+  // with_scale_operand), so it is folded too. ALiBi's term is in base-2 units.
+  rt.fold_scale = has_bias || p.has(kScaleOperand) || !(p.scale > 0.f) || p.softcap > 0.f || p.has(kHasAlibi);
   rt.softcap2 = p.softcap * kLog2e;
   rt.exp_scale = rt.fold_scale ? 1.f : rt.score_mul;
   rt.p_shift = p.dtype == DType::kF16 ? 0.f : probability_shift(p.seqlen_k);
@@ -203,8 +226,8 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&rt.sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = choose_sm90(p, rt, device);
   if (err != cudaSuccess) return err;
-  // Segment ids route to the general variant (fwd_fast_case), whose tiles the id ranges follow.
-  const GeneralTiles tiles = general_tiles(p.head_dim, p.dtype);
+  // The id ranges follow the tiles of the kernel that runs.
+  const TileShape tiles = rt.sm90 ? sm90_tiles(p.head_dim, fwd_score_mods(p, rt)) : general_tiles(p.head_dim, p.dtype);
   if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, workspace, rt.segments, stream)) !=
       cudaSuccess)
     return err;

@@ -17,14 +17,16 @@ namespace jaxflash::gpu {
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads)
-    forward_kernel(const __grid_constant__ AttentionParams p, const FwdRuntime rt) {
+    forward_kernel(const __grid_constant__ AttentionParams p, const FwdRuntime launch_rt) {
   extern __shared__ __align__(128) char smem[];
   const typename Cfg::QTile sQ{smem};
   const typename Cfg::KTile sK{smem + Cfg::QTile::kBytes};
   const typename Cfg::VTile sV{smem + Cfg::QTile::kBytes + Cfg::KTile::kBytes};
 
-  const FwdTile tile = forward_tile<Cfg::kBlockM>(p, rt, blockIdx.x);
+  const FwdTile tile = forward_tile<Cfg::kBlockM>(p, launch_rt, blockIdx.x);
   const int64_t linear = tile.linear;
+  // A scale operand runs the general variant only (fold_scale): the fast one keeps its registers.
+  const FwdRuntime rt = Cfg::kGeneral ? with_scale_operand(p, launch_rt, linear) : launch_rt;
   const int m0 = tile.m0;
   const InstanceBounds bounds = instance_bounds(p, linear);
   const KeyRange keys = visible_keys(p, bounds, m0, m0 + Cfg::kBlockM);
@@ -46,6 +48,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
       ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
     }
+    ops.alibi2 = Cfg::kGeneral ? 1.4426950408889634f * alibi_slope(p, linear) : 0.f;
     ops.o = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
     ops.lse = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
   }

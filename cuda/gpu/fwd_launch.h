@@ -41,9 +41,11 @@ cudaError_t launch_query_tiles(Kernel* kernel, const AttentionParams& p, const F
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   if constexpr (fwd_sm90_covers(sizeof(T), D)) {
-    if (rt.sm90) {  // forward.cu checked the conditions
+    if (rt.sm90) {  // forward.cu checked the conditions (fwd_sm90_case)
       using Plain = FwdSm90Config<T, D, false>;
       using Dropout = FwdSm90Config<T, D, true>;
+      using ScoreMods = FwdSm90Config<T, D, false, true>;
+      if (fwd_score_mods(p, rt)) return launch_query_tiles<ScoreMods>(&forward_sm90_kernel<ScoreMods>, p, rt, stream);
       return p.has(kDropout) ? launch_query_tiles<Dropout>(&forward_sm90_kernel<Dropout>, p, rt, stream)
                              : launch_query_tiles<Plain>(&forward_sm90_kernel<Plain>, p, rt, stream);
     }

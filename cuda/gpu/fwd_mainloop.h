@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fwd_scores.h"
 #include "kernel_traits.h"
 #include "primitives/dropout.h"
 #include "primitives/mma.h"
@@ -38,55 +39,6 @@
 #include "../params.h"
 
 namespace jaxflash::gpu {
-
-// Scale, bias and masks of the warp's block of one score tile (see score.h).
-// The fast variant sees neither bias nor mask nor segment ids nor a folded
-// scale; tiles every row sees whole (`full`) skip the position mask, and tiles
-// whose rows and keys all hold one id (`!segment_test`) the id test.
-template <class Cfg>
-__device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], const AttentionParams& p,
-                                           const FwdRuntime& rt, const Positions& pos,
-                                           const FwdOperands<typename Cfg::T>& ops,
-                                           int row0, int n0, bool full, bool segment_test, int lane) {
-  using T = typename Cfg::T;
-  if constexpr (Cfg::kGeneral) {
-    // The soft-cap acts on the scaled logits, before the bias (params.h).
-    const bool capped = rt.softcap2 > 0.f;
-    if (capped) soft_cap_scores(s, rt.score_mul, rt.softcap2);
-    if (ops.bias != nullptr) {
-      const ArrayView& v = p.bias;
-      const float mul = capped ? 1.f : rt.score_mul;
-      auto add = [&](auto unit_col, auto* ptr) {
-        using BiasT = std::remove_const_t<std::remove_pointer_t<decltype(ptr)>>;
-        add_bias<decltype(unit_col)::value>(s, QueryKeyView<BiasT>{ptr, v.row_stride, v.col_stride}, row0, n0,
-                                            pos, mul, lane);
-      };
-      // A unit column stride (the usual layout) gets immediate-offset loads.
-      if (rt.bias_f32) {
-        if (v.col_stride == 1) add(std::true_type{}, static_cast<const float*>(ops.bias));
-        else add(std::false_type{}, static_cast<const float*>(ops.bias));
-      } else {
-        if (v.col_stride == 1) add(std::true_type{}, static_cast<const T*>(ops.bias));
-        else add(std::false_type{}, static_cast<const T*>(ops.bias));
-      }
-    } else if (rt.fold_scale && !capped) {
-      scale_scores(s, rt.score_mul);
-    }
-  }
-  if (!full) mask_positions(s, BlockWindow(pos, row0, n0), lane);
-  if constexpr (Cfg::kGeneral) {
-    if (ops.mask != nullptr) {
-      const QueryKeyView<uint8_t> view{ops.mask, p.mask.row_stride, p.mask.col_stride};
-      if (view.col_stride == 1) apply_mask<true>(s, view, row0, n0, pos, lane);
-      else apply_mask<false>(s, view, row0, n0, pos, lane);
-    }
-    if (Cfg::kSegmentIds && segment_test) {
-      const int64_t qs = p.q_segment_ids.row_stride, ks = p.kv_segment_ids.row_stride;
-      apply_segment_ids(s, ops.q_ids + row0 * qs, qs, ops.kv_ids + n0 * ks, ks, pos.q_len - row0, pos.kv_len - n0,
-                        lane);
-    }
-  }
-}
 
 // Runs over the key tiles covering [key_lo, key_hi) (non-empty) for query rows
 // [m0, m0 + BLOCK_M) of instance `linear`. On return o holds the unnormalised

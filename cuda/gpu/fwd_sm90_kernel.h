@@ -1,11 +1,13 @@
 // The sm_90 forward kernel: FlashAttention-3's warp specialisation on
 // Hopper, for the cases tile_size.h's fwd_sm90_covers names (16-bit, D = 64 /
-// 128) under the fast variant's conditions (fwd_launch.h).
+// 128 / 256) under kernel_traits.h's fwd_sm90_case (no bias or mask; dropout
+// or the score modifiers, each in a copy of the kernel).
 //
 // A CTA is 1 + BLOCK_M / 64 warpgroups over BLOCK_M query rows of one instance:
 //   warpgroup 0: the producer. One thread issues every TMA load (Q, then the
-//                K / V tiles through the mbarrier pipeline); the warpgroup
-//                gives its registers to the consumers (setmaxnreg).
+//                K / V tiles through the mbarrier pipeline; with segment ids
+//                its warp steps the key tiles); the warpgroup gives its
+//                registers to the consumers (setmaxnreg).
 //   warpgroups 1, 2 (, 3): consumers of 64 query rows each: the wgmma products, the
 //                online softmax, and the epilogue of their rows.
 // fwd_sm90_mainloop.h has the two roles' loops; the epilogue is the mma.sync
@@ -30,17 +32,27 @@
 namespace jaxflash::gpu {
 
 // kDropout: a copy of the kernel with attention dropout, so that the copy
-// without keeps its registers.
-template <class T_, int D, bool kDropout_>
+// without keeps its registers. kScoreMods: a copy that rewrites the scores
+// before the softmax as the mma.sync general variant does (fwd_mainloop.h's
+// score_tile): a folded scale (a scale operand, scale <= 0), the soft-cap,
+// ALiBi, and segment ids, whose key tiles that cannot meet the query tile it
+// skips (fwd_sm90_mainloop.h's KeyTileWalk); not with dropout (forward.cu).
+template <class T_, int D, bool kDropout_, bool kScoreMods_ = false>
 struct FwdSm90Config {
   using T = T_;
   static_assert(fwd_sm90_covers(sizeof(T), D), "see tile_size.h");
   static constexpr int kHeadDim = D;
   static constexpr bool kDropout = kDropout_;
-  static constexpr int kBlockM = FwdSm90TileSize<D>::kBlockM;
-  static constexpr int kBlockN = FwdSm90TileSize<D>::kBlockN;
-  static constexpr int kStages = FwdSm90TileSize<D>::kStages;
-  static constexpr bool kPingPong = FwdSm90TileSize<D>::kPingPong;
+  static constexpr bool kScoreMods = kScoreMods_;
+  static_assert(!(kDropout && kScoreMods), "one copy or the other");
+  // What score_tile (fwd_scores.h) does over a warp's m16 x BLOCK_N block of S: in the
+  // kScoreMods copy its general steps and the segment ids' test; never a bias or a mask
+  // (fwd_sm90_case), whose code would only cost registers.
+  static constexpr bool kGeneral = kScoreMods, kSegmentIds = kScoreMods, kBiasMask = false;
+  static constexpr int kBlockM = FwdSm90TileSize<D, kScoreMods>::kBlockM;
+  static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods>::kBlockN;
+  static constexpr int kStages = FwdSm90TileSize<D, kScoreMods>::kStages;
+  static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods>::kPingPong;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -57,29 +69,31 @@ struct FwdSm90Config {
   using QTile = GmmaTile<T, kBlockM, D>;  // Q, then O on its way out
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
-  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D>(), "tile_size.h sizes the same layout");
+  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kScoreMods>(), "tile_size.h sizes the same layout");
   // The shape the epilogue (fwd_epilogue.h) sees: the consumer warps, one m16
   // fragment of rows each.
-  static constexpr int kWarpRows = 16, kMF = 1, kDF = D / 8;
+  static constexpr int kWarpRows = 16, kMF = 1, kDF = D / 8, kNF = kBlockN / 8;
 };
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    forward_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ FwdRuntime rt) {
+    forward_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ FwdRuntime launch_rt) {
 #if JF_WGMMA
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
   extern __shared__ char smem_raw[];
   const FwdSm90Smem<Cfg> sm{smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024)};
 
+  const FwdRuntime& rt = launch_rt;
   const FwdTile tile = forward_tile<BM>(p, rt, blockIdx.x);
   const InstanceBounds bounds = instance_bounds(p, tile.linear);
   const KeyRange keys = visible_keys(p, bounds, tile.m0, tile.m0 + BM);
   const Positions pos(p, bounds);
-  // No visible key for any row (or all rows padding): nothing is loaded, and
-  // the epilogue alone writes O = 0 and lse = -inf.
-  const bool any = keys.lo < keys.hi;
-  const int first = static_cast<int>(keys.lo) / BN * BN, last = static_cast<int>(keys.hi - 1) / BN * BN;
+  const KeyTileWalk<Cfg> walk(rt.segments, tile.linear, tile.m0, keys, threadIdx.x % 32);
+  // No visible key for any row (or all rows padding), or no key tile that shares an id with
+  // them: nothing is loaded, and the epilogue alone writes O = 0 and lse = -inf.
+  const int top = walk.start();
+  const bool any = walk.visits(top);
 
   const int tid = threadIdx.x;
   // The warpgroup, as a value ptxas knows to be warp-uniform (a shuffle from
@@ -90,7 +104,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (warpgroup == 0) {
     regs_release<Cfg::kProducerRegs>();
-    if (tid == 0 && any) forward_sm90_produce<Cfg>(p, rt, sm, tile.linear, tile.m0, first, last);
+    // (With segment ids the producer's whole warp steps the walk: KeyTileWalk.)
+    if ((Cfg::kSegmentIds ? tid < 32 : tid == 0) && any)
+      forward_sm90_produce<Cfg>(rt, sm, walk, tile.linear, tile.m0, top);
     return;
   }
   regs_acquire<Cfg::kConsumerRegs>();
@@ -99,20 +115,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   zero_frags(o);
   SoftmaxState<1> st;
   st.init();
-  if (any) {
-    const uint32_t* seed = nullptr;
-    if constexpr (Cfg::kDropout) seed = InstanceIndex(p, tile.linear).origin<const uint32_t>(p, p.seed);
-    forward_sm90_consume<Cfg>(p, rt, pos, sm, tile.m0, first, last, seed, o, st, warpgroup - 1, ctid % 128);
-  }
-
-  const InstanceIndex inst(p, tile.linear);
-  void* const o_origin = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
-  float* const lse_origin = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
-  // Each warp writes O into its own 16 rows of the Q tile, which only its
-  // warpgroup's products read, and those are complete.
-  forward_epilogue<Cfg>(p, rt, pos, o_origin, lse_origin, tile.m0, sm.q(), o, st, ctid);
+  // The consumers' work under runtime `crt`.
+  auto consume = [&](const FwdRuntime& crt) {
+    if (any) {
+      // What the copies read beyond Q, K and V: the seed, or the score modifiers'. (The
+      // instance's index is formed again for the epilogue: kept alive across the main loop,
+      // it cost the dropout copy spills.)
+      const InstanceIndex inst(p, tile.linear);
+      FwdOperands<T> ops{};
+      if constexpr (Cfg::kDropout) ops.seed = inst.origin<const uint32_t>(p, p.seed);
+      if constexpr (Cfg::kScoreMods) {
+        if (p.has(kHasSegmentIds)) {
+          ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
+          ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+        }
+        ops.alibi2 = 1.4426950408889634f * alibi_slope(p, tile.linear);
+      }
+      forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, warpgroup - 1, ctid % 128);
+    }
+    const InstanceIndex inst(p, tile.linear);
+    void* const o_origin =
+        p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
+    float* const lse_origin = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
+    // Each warp writes O into its own 16 rows of the Q tile, which only its
+    // warpgroup's products read, and those are complete.
+    forward_epilogue<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, sm.q(), o, st, ctid);
+  };
+  // A scale operand runs the kScoreMods copy only: the others read the launch's runtime in
+  // place (a copy of it cost the dropout copy spills).
+  if constexpr (Cfg::kScoreMods) consume(with_scale_operand(p, rt, tile.linear));
+  else consume(rt);
 #else
-  (void)p, (void)rt;
+  (void)p, (void)launch_rt;
 #endif
 }
 

@@ -18,10 +18,16 @@
 // queued while the softmax runs (FlashAttention-3's intra-warpgroup overlap).
 // With kPingPong the two warpgroups also take turns to issue their products,
 // so one's softmax runs while the other's products do.
+//
+// The producer and every consumer walk the same key tiles (KeyTileWalk): all
+// of the visible range, or with segment ids (the kScoreMods copy) only the
+// tiles whose id range may meet the query tile's, so that packed documents
+// cost what separate rows do.
 #pragma once
 
 #include <cstdint>
 
+#include "fwd_scores.h"
 #include "kernel_traits.h"
 #include "primitives/dropout.h"
 #include "primitives/positions.h"
@@ -30,9 +36,56 @@
 #include "primitives/softmax.h"
 #include "primitives/tma.h"
 #include "primitives/wgmma.h"
+#include "segment_tiles.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
+
+// The key tiles one CTA visits, from the top down (as the mma.sync kernel goes,
+// fwd_mainloop.h): every tile of the visible key range [keys.lo, keys.hi), or
+// with segment ids only those whose id range may meet the query tile's
+// (segment_tiles.h; the tables hold this kernel's tiles, forward.cu). A tile
+// is named by its first key n0; visits(n0) is false past the last one. With
+// segment ids a whole warp, converged, steps (start, next): it tests 32 tiles
+// at a time, one per lane, so that a document's last tile is not followed by
+// a serial scan of every earlier document's tiles (causal packing: the visible
+// range reaches back to the row's first key).
+template <class Cfg>
+struct KeyTileWalk {
+  static constexpr int BN = Cfg::kBlockN;
+  const SegmentTiles& segments;
+  int64_t linear;
+  int q_tile, first, last, lane;
+
+  __device__ __forceinline__ KeyTileWalk(const SegmentTiles& segments, int64_t linear, int m0, const KeyRange& keys,
+                                         int lane)
+      : segments(segments),
+        linear(linear),
+        q_tile(m0 / Cfg::kBlockM),
+        first(static_cast<int>(keys.lo) / BN * BN),
+        // (empty key ranges: last < first, nothing visited)
+        last(keys.lo < keys.hi ? static_cast<int>(keys.hi - 1) / BN * BN : first - BN),
+        lane(lane) {}
+
+  __device__ __forceinline__ bool visits(int n0) const { return n0 >= first; }
+  // The first tile, and the one after n0.
+  __device__ __forceinline__ int start() const { return Cfg::kSegmentIds ? meeting_from(last) : last; }
+  __device__ __forceinline__ int next(int n0) const { return Cfg::kSegmentIds ? meeting_from(n0 - BN) : n0 - BN; }
+  // The first tile from n0 down whose ids may meet the query tile's; < first when none.
+  __device__ __forceinline__ int meeting_from(int n0) const {
+    for (; visits(n0); n0 -= 32 * BN) {
+      const int mine = n0 - lane * BN;
+      const unsigned meeting =
+          __ballot_sync(0xffffffffu, visits(mine) && segments.may_meet(linear, q_tile, mine / BN));
+      if (meeting != 0) return n0 - (__ffs(meeting) - 1) * BN;
+    }
+    return first - BN;
+  }
+  // Whether the tile needs the per-element id test (not one id on both sides).
+  __device__ __forceinline__ bool needs_id_test(int n0) const {
+    return Cfg::kSegmentIds && segments.needs_test(linear, q_tile, n0 / BN);
+  }
+};
 
 // Named barrier ids (0 is __syncthreads'): each consumer warpgroup's turn to
 // issue (kPingPong: two consumers), and the consumers' meeting after zeroing
@@ -93,35 +146,43 @@ __device__ __forceinline__ void tma_load_tile(const FwdTmaOperand& op, const int
   }
 }
 
-// The producer (one thread): Q, then the key tiles last..first, each buffer
-// once its previous tile's readers released it.
+// The producer (one warp, whose lane 0 issues every copy; the whole warp steps
+// the walk): Q, then the walk's key tiles from `top` down, each buffer once its
+// previous tile's readers released it.
 template <class Cfg>
-__device__ __forceinline__ void forward_sm90_produce(const AttentionParams& p, const FwdRuntime& rt,
-                                                     const FwdSm90Smem<Cfg>& sm, int64_t linear, int m0, int first,
-                                                     int last) {
-  constexpr int BN = Cfg::kBlockN, S = Cfg::kStages;
+__device__ __forceinline__ void forward_sm90_produce(const FwdRuntime& rt, const FwdSm90Smem<Cfg>& sm,
+                                                     const KeyTileWalk<Cfg>& walk, int64_t linear, int m0, int top) {
+  constexpr int S = Cfg::kStages;
+  const bool leader = walk.lane == 0;
   int qc[3], kc[3], vc[3];
   rt.tma_q.instance_coords(linear, qc);
   rt.tma_k.instance_coords(linear, kc);
   rt.tma_v.instance_coords(linear, vc);
-  mbar_arrive_expect_tx(sm.q_full(), Cfg::QTile::kBytes);
-  tma_load_tile(rt.tma_q, qc, sm.q_full(), sm.q(), m0);
+  if (leader) {
+    mbar_arrive_expect_tx(sm.q_full(), Cfg::QTile::kBytes);
+    tma_load_tile(rt.tma_q, qc, sm.q_full(), sm.q(), m0);
+  }
 
-  const int n = (last - first) / BN + 1;
-  auto load_k = [&](int i) {
+  auto load_k = [&](int i, int n0) {
     const Stage<S> st(i);
     mbar_wait(sm.k_empty(st.index), st.parity ^ 1u);
-    mbar_arrive_expect_tx(sm.k_full(st.index), Cfg::KTile::kBytes);
-    tma_load_tile(rt.tma_k, kc, sm.k_full(st.index), sm.k(st.index), last - i * BN);
+    if (leader) {
+      mbar_arrive_expect_tx(sm.k_full(st.index), Cfg::KTile::kBytes);
+      tma_load_tile(rt.tma_k, kc, sm.k_full(st.index), sm.k(st.index), n0);
+    }
   };
-  load_k(0);
+  load_k(0, top);
 #pragma unroll 1
-  for (int i = 0; i < n; ++i) {
-    if (i + 1 < n) load_k(i + 1);
+  for (int i = 0, n0 = top; walk.visits(n0); ++i) {
+    const int next = walk.next(n0);
+    if (walk.visits(next)) load_k(i + 1, next);
     const Stage<S> st(i);
     mbar_wait(sm.v_empty(st.index), st.parity ^ 1u);
-    mbar_arrive_expect_tx(sm.v_full(st.index), Cfg::KTile::kBytes);
-    tma_load_tile(rt.tma_v, vc, sm.v_full(st.index), sm.v(st.index), last - i * BN);
+    if (leader) {
+      mbar_arrive_expect_tx(sm.v_full(st.index), Cfg::KTile::kBytes);
+      tma_load_tile(rt.tma_v, vc, sm.v_full(st.index), sm.v(st.index), n0);
+    }
+    n0 = next;
   }
 }
 
@@ -140,14 +201,16 @@ __device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_en
 }
 
 // One consumer warpgroup (wg = 0 .. kConsumers - 1, warp-uniform; tid its thread index,
-// 0..127) over the key tiles last..first: on return o holds its rows'
-// unnormalised output and st their softmax state. seed: the instance's dropout
-// seed words (Cfg::kDropout). Rounds 0 and n are peeled
-// off, so that no product is issued under a condition.
+// 0..127) over the walk's key tiles from `top` down: on return o holds its rows'
+// unnormalised output and st their softmax state. ops: the instance's dropout
+// seed words (Cfg::kDropout), or the score modifiers' operands (Cfg::kScoreMods:
+// segment ids, ALiBi's slope). Rounds 0 and n are peeled off, so that no product
+// is issued under a condition.
 template <class Cfg>
 __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, const FwdRuntime& rt,
-                                                     const Positions& pos, const FwdSm90Smem<Cfg>& sm, int m0,
-                                                     int first, int last, const uint32_t* seed,
+                                                     const Positions& pos, const FwdSm90Smem<Cfg>& sm,
+                                                     const KeyTileWalk<Cfg>& walk,
+                                                     const FwdOperands<typename Cfg::T>& ops, int m0, int top,
                                                      Acc<Cfg::kHeadDim>& o, SoftmaxState<1>& st, int wg, int tid) {
   using T = typename Cfg::T;
   constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim, S = Cfg::kStages;
@@ -155,11 +218,10 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   const int wg_row0 = m0 + 64 * wg;            // the warpgroup's first query row
   const int warp_row0 = wg_row0 + 16 * warp;  // the warp's accumulator rows
   const FullTiles<BN> full(pos, wg_row0, min(wg_row0 + 64, pos.q_len) - 1);
-  // The first tile loaded (the last one) may hold keys in [kv_len, S) that a
+  // The first tile loaded (the top one) may hold keys in [kv_len, S) that a
   // sequence length hides: zeroed before its P V (zero_rows).
-  const int pad_end = min(last + BN, static_cast<int>(p.seqlen_k));
+  const int pad_end = min(top + BN, static_cast<int>(p.seqlen_k));
   const bool zero_v = pos.kv_len < pad_end;
-  const int n = (last - first) / BN + 1;
 
   const GmmaOperand<typename Cfg::QTile, false> q_op(sm.q(), 64 * wg);
   Acc<BN> s;
@@ -167,7 +229,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   float alpha[2];  // the rows' rescaling factors of the last softmax
   // Dropout: the lane's two row keys, hashed once for all key tiles.
   const DropoutKey dropout =
-      Cfg::kDropout ? make_dropout_key(seed, p.seed.col_stride, p.keep_threshold) : DropoutKey{};
+      Cfg::kDropout ? make_dropout_key(ops.seed, p.seed.col_stride, p.keep_threshold) : DropoutKey{};
   const FragRowKeys<1> dropout_rows(dropout, Cfg::kDropout ? warp_row0 : 0, lane);
 
   auto wait_k = [&](int i) {
@@ -179,7 +241,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     mbar_wait(sm.v_full(st.index), st.parity);
     if (i == 0 && zero_v) {
       if (wg == 0) {
-        zero_rows(sm.v(st.index), pos.kv_len - last, pad_end - last, tid, 128);
+        zero_rows(sm.v(st.index), pos.kv_len - top, pad_end - top, tid, 128);
         fence_proxy_async_shared();  // the zeros, before the tensor cores read them
       }
       named_sync(kZeroVBarrier, Cfg::kConsumerThreads);
@@ -207,12 +269,15 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     for (int j = 0; j < BN / 16; ++j) wgmma_rs<T, D, true>(o, pa[j], v_op.step(j), true);
     wgmma_commit();
   };
-  // S_i has landed: release K_i, mask, softmax.
-  auto softmax = [&](int i) {
+  // S_i (keys n0..) has landed: release K_i, mask, softmax.
+  auto softmax = [&](int i, int n0) {
     hold_acc(s);
     mbar_arrive_if(sm.k_empty(Stage<S>(i).index), lane == 0);
-    const int n0 = last - i * BN;
-    if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+    if constexpr (Cfg::kScoreMods) {
+      score_tile<Cfg>(s, p, rt, pos, ops, warp_row0, n0, full.contain(n0), walk.needs_id_test(n0), lane);
+    } else if (!full.contain(n0)) {
+      mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+    }
     softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
     // After the softmax's sums: dropout changes what reaches O, not the normaliser.
     if constexpr (Cfg::kDropout) drop_probabilities(s, dropout, dropout_rows, n0, lane);
@@ -235,10 +300,12 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   issue_s(0);
   end_turn(false);
   wgmma_wait<0>();
-  softmax(0);
+  softmax(0, top);
   to_p();
+  int r = 1;
 #pragma unroll 1
-  for (int r = 1; r < n; ++r) {  // rounds 1 .. n - 1: S_r, then P_{r-1} V_{r-1}
+  for (int n0 = walk.next(top); walk.visits(n0); n0 = walk.next(n0), ++r) {
+    // rounds 1 .. n - 1: S_r, then P_{r-1} V_{r-1}
     wait_k(r);
     wait_v(r - 1);
     begin_turn();
@@ -246,19 +313,19 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     issue_pv(r - 1);
     end_turn(false);
     wgmma_wait<1>();
-    softmax(r);
+    softmax(r, n0);
     wgmma_wait<0>();
     pv_done(r - 1);
     rescale_row(o, 0, 0, alpha[0]);
     rescale_row(o, 0, 1, alpha[1]);
     to_p();
   }
-  wait_v(n - 1);  // round n: the last P V
+  wait_v(r - 1);  // round n: the last P V
   begin_turn();
-  issue_pv(n - 1);
+  issue_pv(r - 1);
   end_turn(true);
   wgmma_wait<0>();
-  pv_done(n - 1);
+  pv_done(r - 1);
 }
 
 }  // namespace jaxflash::gpu

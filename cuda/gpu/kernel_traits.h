@@ -35,6 +35,7 @@ struct FwdConfig {
   static constexpr bool kGeneral = kGeneral_;
   static constexpr F32Mma kF32Mma = kF32Mma_;
   static constexpr bool kSegmentIds = kSegmentIds_;
+  static constexpr bool kBiasMask = kGeneral;  // score_tile (fwd_scores.h) reads a bias and a mask
   static_assert(kF32Mma == F32Mma::kTf32 || sizeof(T) == 4, "3xTF32 is a float32 mode");
   static_assert(kGeneral || !kSegmentIds, "segment ids are in the general variant");
   static constexpr int kBlockM = FwdTileSize<sizeof(T), D, kGeneral>::kBlockM;
@@ -63,6 +64,7 @@ struct FwdOperands {
   const uint32_t* seed; // the dropout's seed words; null without dropout (general variant only)
   const int32_t* q_ids;   // segment ids; null without them (general variant only)
   const int32_t* kv_ids;
+  float alibi2;  // ALiBi: log2 e * the instance's slope; 0 without (general variant only)
   void* o;     // T, or float with kOutputF32
   float* lse;  // null when absent
 };
@@ -112,18 +114,42 @@ struct FwdRuntime {
   // is covered, every operand has a TMA descriptor), with these descriptors.
   bool sm90;
   FwdTmaOperand tma_q, tma_k, tma_v;
-  // Segment ids: the id ranges of the general variant's tiles, in the forward's scratch
-  // (segment_tiles.h); null tables without ids.
+  // Segment ids: the id ranges of the tiles of the kernel that runs (the sm_90 one's or the
+  // general variant's), in the forward's scratch (segment_tiles.h); null tables without ids.
   SegmentTiles segments;
 };
 
+// The runtime a forward kernel computes instance `linear` with: the launch's, with score_mul
+// from that instance's scale under kScaleOperand (a traced scale: device memory, which the host
+// cannot read without synchronising; the launcher folds the scale then, fold_scale, so score_mul
+// is all it reads).
+__device__ __forceinline__ FwdRuntime with_scale_operand(const AttentionParams& p, FwdRuntime rt, int64_t linear) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  if (p.has(kScaleOperand)) rt.score_mul = instance_scale(p, linear) * kLog2e;
+  return rt;
+}
+
+// Whether the scores go through more than the scale inside the exp2 (score_tile's general
+// steps besides bias and mask): a folded scale (a scale operand, scale <= 0, the soft-cap,
+// ALiBi) or segment ids.
+inline bool fwd_score_mods(const AttentionParams& p, const FwdRuntime& rt) {
+  return rt.fold_scale || p.has(kHasSegmentIds);
+}
+
 // The fast variants' conditions that hold for any head dim: no bias, mask or
-// segment ids, scale > 0 (not folded), rows of q, k and v 16-byte aligned. The mma.sync fast
-// variant also wants no dropout and head_dim == D (fwd_launch.h); the sm_90
-// kernel has a dropout copy (forward.cu).
+// score modifiers, rows of q, k and v 16-byte aligned. The mma.sync fast
+// variant also wants no dropout and head_dim == D (fwd_launch.h).
 inline bool fwd_fast_case(const AttentionParams& p, const FwdRuntime& rt) {
-  return !p.has(kHasBias) && !p.has(kHasMask) && !p.has(kHasSegmentIds) && !rt.fold_scale && rt.q_vec && rt.k_vec &&
-         rt.v_vec;
+  return !p.has(kHasBias) && !p.has(kHasMask) && !fwd_score_mods(p, rt) && rt.q_vec && rt.k_vec && rt.v_vec;
+}
+
+// The sm_90 kernel's conditions for any covered head dim (tile_size.h): no bias or mask, rows
+// of q, k and v 16-byte aligned (its TMA boxes), and dropout or score modifiers, each in a copy
+// of its own, but not both (their registers together would spill; the mma.sync general variant
+// runs those).
+inline bool fwd_sm90_case(const AttentionParams& p, const FwdRuntime& rt) {
+  return !p.has(kHasBias) && !p.has(kHasMask) && rt.q_vec && rt.k_vec && rt.v_vec &&
+         !(fwd_score_mods(p, rt) && p.has(kDropout));
 }
 
 }  // namespace jaxflash::gpu

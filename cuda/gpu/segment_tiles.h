@@ -29,10 +29,26 @@ struct SegmentTiles {
   __device__ __forceinline__ bool needs_test(int64_t linear, int64_t i, int64_t j) const {
     return q != nullptr && !q[linear * q_tiles + i].all_equal(k[linear * k_tiles + j]);
   }
-  // How many key tiles of [j0, j1) may meet query tile i (the backward's dQ turn, bwd_kernel.h);
-  // the whole warp calls it, converged, and every lane gets the count.
+  // The first query tile of [i, i_last] that may meet key tile j, i_last + 1 when none (i
+  // without segment ids): the next Q tile a backward CTA visits. The whole warp calls it,
+  // converged, and every lane gets the tile; 32 tiles per step, a ballot.
+  __device__ __forceinline__ int64_t next_meeting_q_tile(int64_t linear, int64_t i, int64_t i_last, int64_t j,
+                                                         int lane) const {
+    if (q == nullptr) return i;
+    const IdRange key = k[linear * k_tiles + j];
+    const IdRange* queries = q + linear * q_tiles;
+    for (; i <= i_last; i += 32) {
+      const unsigned meets = __ballot_sync(0xffffffffu, i + lane <= i_last && queries[i + lane].meets(key));
+      if (meets != 0) return i + __ffs(meets) - 1;
+    }
+    return i_last + 1;
+  }
+  // How many key tiles of [j0, j1) may meet query tile i (the backward's dQ turn, bwd_kernel.h;
+  // all of them without segment ids); the whole warp calls it, converged, and every lane gets
+  // the count.
   __device__ __forceinline__ int meeting_key_tiles(int64_t linear, int64_t i, int64_t j0, int64_t j1,
                                                    int lane) const {
+    if (q == nullptr) return static_cast<int>(j1 - j0);
     const IdRange query = q[linear * q_tiles + i];
     const IdRange* keys = k + linear * k_tiles;
     int n = 0;

@@ -75,19 +75,24 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
 // Tried and not kept: a persistent grid with a static order of the tiles
 // (branch sm90-persistent-2): 0.82-1.05 of this grid on the H100, behind under
 // causal masking (docs/DESIGN.md's known gaps).
-template <int D>
+//
+// The copy with score modifiers (kScoreMods: soft-cap, ALiBi, segment ids, a
+// folded scale) at D = 64 takes D = 128's shape: at 160 registers its
+// consumers spilled 724 / 792 bytes (stored / loaded), at 240 none.
+template <int D, bool kScoreMods = false>
 struct FwdSm90TileSize {
-  static constexpr int kBlockM = D == 64 ? 192 : 128;
+  static constexpr bool kThreeConsumers = D == 64 && !kScoreMods;
+  static constexpr int kBlockM = kThreeConsumers ? 192 : 128;
   static constexpr int kBlockN = D == 256 ? 64 : 128;
   static constexpr int kStages = 2;
-  static constexpr bool kPingPong = D != 64;  // two consumers take turns
+  static constexpr bool kPingPong = !kThreeConsumers;  // two consumers take turns
 };
 
 // Its shared memory: Q, kStages K and V tiles, the mbarriers and 1 KB to
 // align the base to the swizzle's 1024-byte atom (fwd_sm90_mainloop.h).
-template <int D>
+template <int D, bool kScoreMods = false>
 constexpr int fwd_sm90_smem_bytes() {
-  using Tiles = FwdSm90TileSize<D>;
+  using Tiles = FwdSm90TileSize<D, kScoreMods>;
   return (Tiles::kBlockM + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 + (1 + 4 * Tiles::kStages) * 8 + 1024;
 }
 

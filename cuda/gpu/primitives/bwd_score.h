@@ -17,10 +17,11 @@ namespace jaxflash::gpu {
 
 // A block of the score tile: query rows [row0, ...) and keys [col0, ...), and
 // its visible region relative to it: row r sees columns [r + lo, r + hi)
-// clipped to [0, kv_end), none when r >= q_end.
+// clipped to [0, kv_end), none when r >= q_end. diag: the column of row 0's diagonal
+// (ALiBi's distances; exact, CUDA positions stay below 2^28).
 struct ScoreBlock {
   int64_t row0, col0;
-  int lo, hi, kv_end, q_end;
+  int lo, hi, kv_end, q_end, diag;
 
   __device__ __forceinline__ static int clip(int64_t x) {
     constexpr int64_t kFar = int64_t{1} << 24;  // beyond any block coordinate
@@ -29,11 +30,12 @@ struct ScoreBlock {
   __device__ __forceinline__ ScoreBlock(const AttentionParams& p, const InstanceBounds& b, int64_t row0_,
                                         int64_t col0_)
       : row0(row0_), col0(col0_) {
-    const int64_t diag = row0 + b.offset - col0;  // column of row 0's diagonal
-    lo = p.window_left == kUnbounded ? -(1 << 24) : clip(diag - p.window_left);
-    hi = p.window_right == kUnbounded ? (1 << 24) : clip(diag + p.window_right + 1);
+    const int64_t diag64 = row0 + b.offset - col0;
+    lo = p.window_left == kUnbounded ? -(1 << 24) : clip(diag64 - p.window_left);
+    hi = p.window_right == kUnbounded ? (1 << 24) : clip(diag64 + p.window_right + 1);
     kv_end = clip(b.kv_len - col0);
     q_end = clip(b.q_len - row0);
+    diag = static_cast<int>(diag64);
   }
 };
 

@@ -1,10 +1,11 @@
 // Thin wrappers over the PTX instructions the kernels are built from: cp.async,
-// ldmatrix, mma.sync and ex2. Everything else in gpu/ is plain C++ over these.
+// ldmatrix, mma.sync, ex2 and tanh. Everything else in gpu/ is plain C++ over these.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -35,6 +36,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
+}
+
+// One 4-byte element, zero-filled when src_bytes is 0 (nothing is read then):
+// the row-wise words of a tile (segment ids), whatever the source's stride.
+__device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -171,6 +178,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// tanh on the SFU (sm_75 and later): one MUFU op, relative error about 2^-11 (PTX ISA);
+// tanh(+-inf) = +-1.
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The soft-cap's tanh for inputs of type T. 16-bit inputs take the SFU's tanh.approx (relative
+// error ~2^-11, at or below what their logits carry: jax.nn rounds 16-bit logits at 2^-9 /
+// 2^-11), one instruction where tanhf takes ~20 (with tanhf the soft-cap cost the forward
+// 55-65% on the H100); float32 needs tanhf's accuracy. Every kernel of a dtype, forward and
+// backward, takes the same one, so that the backward recomputes the forward's capped logits.
+template <class T>
+__device__ __forceinline__ float soft_cap_tanh(float x) {
+  if constexpr (sizeof(T) == 2) return fast_tanh(x);
+  else return tanhf(x);
 }
 
 // Two floats packed into the 32-bit register layout of a 16-bit fragment pair

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "mma.h"
+#include "ptx.h"
 #include "positions.h"
 
 namespace jaxflash::gpu {
@@ -34,8 +35,8 @@ __device__ __forceinline__ void scale_scores(float (&s)[MF][NF][4], float mul) {
 
 // The logit soft-cap (params.h) in the scores' base-2 units: s <- c tanh(s mul / c),
 // c = log2 e * cap, so that mul (scale * log2 e) turns raw Q.K^T into base-2 logits
-// first. tanhf, not tanh.approx: float32 callers need its accuracy.
-template <int MF, int NF>
+// first; T: the inputs' type (soft_cap_tanh).
+template <class T, int MF, int NF>
 __device__ __forceinline__ void soft_cap_scores(float (&s)[MF][NF][4], float mul, float cap2) {
   const float in_mul = mul / cap2;
 #pragma unroll
@@ -43,7 +44,7 @@ __device__ __forceinline__ void soft_cap_scores(float (&s)[MF][NF][4], float mul
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[mf][nf][i] = cap2 * tanhf(s[mf][nf][i] * in_mul);
+      for (int i = 0; i < 4; ++i) s[mf][nf][i] = cap2 * soft_cap_tanh<T>(s[mf][nf][i] * in_mul);
 }
 
 // Calls f(mf, nf, i, inside, ptr) for each score element of the warp's block,

@@ -4,9 +4,12 @@
 // sequence lengths with empty rows and an instance with no key, broadcast
 // biases with dbias (over batch, over heads + keys, over heads + queries, a
 // scalar), masks with a fully masked row, segment ids (documents, documents on
-// tile boundaries, ids in any order; with dbias too), dlse, unaligned rows, every
+// tile boundaries, ids in any order; with dbias too), the logit soft-cap and
+// ALiBi (alone, together, with ids), dlse, unaligned rows, every
 // padded head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
-// held to fp32 accuracy); then bitwise determinism at a larger size.
+// held to fp32 accuracy), a traced scale (the scale operand: dq of the scaled query in
+// float32, and dscale's partial sums against Σ dS·(q·k) per kv instance); then bitwise
+// determinism at a larger size.
 // o and lse come from the reference (fp64, rounded to the kernel's inputs), so
 // the test does not depend on the forward kernel. Like the FFI handler, every
 // case passes delta = rowsum(dO o O) - dlse (from the exact output) and no o.
@@ -67,11 +70,23 @@ struct Case {
   float scale = 0.f;   // 0: 1 / sqrt(H)
   bool exact = false;  // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
   Segments segments = Segments::kNone;
+  float softcap = 0.f;  // the logit soft-cap, 0 for none
+  bool alibi = false;   // ALiBi: a slope per query head (alibi_slope_of)
+  bool traced_scale = false;  // the scale as an operand (kScaleOperand), with kHasDscale
 };
 
 Case exact(Case c) { return exact_variant(c); }
-Case with_segments(Case c, Segments s) {
-  c.segments = s;
+Case with_segments(Case c, Segments s) { return segments_variant(c, s); }
+Case with_softcap(Case c, float cap) { return softcap_variant(c, cap); }
+Case with_alibi(Case c) { return alibi_variant(c); }
+
+// Head n's ALiBi slope: large enough that the distance term moves the logits by several units
+// across a tile, different per head.
+float alibi_slope_of(int n) { return 0.25f / float(n + 1); }
+
+Case traced(Case c) {
+  c.traced_scale = true;
+  c.name = "traced scale " + c.name;
   return c;
 }
 
@@ -88,14 +103,16 @@ struct Problem {
   std::vector<int32_t> q_lens, kv_lens;
   std::vector<int32_t> q_ids, kv_ids;  // segment ids, (B, T) and (B, S); empty without them
   size_t bias_n = 0, dbias_n = 0;
-  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens, d_ids;
-  std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_ws;
+  std::vector<float> slopes;  // ALiBi, one per query head; empty without it
+  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens, d_ids, d_slopes, d_scale;
+  std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_dscale, d_ws;
 
   size_t q_index(int b, int n, int t, int h) const {
     const int N = c.N, T = c.T;
     return c.layout == Layout::kBTNH ? ((size_t(b) * T + t) * N + n) * Hp + h : ((size_t(b) * N + n) * T + t) * Hp + h;
   }
   size_t kv_index(int b, int kh, int s, int h) const { return ((size_t(b) * c.S + s) * c.K + kh) * Hp + h; }
+  size_t dscale_index(int b, int kh, int s) const { return (size_t(b) * c.S + s) * c.K + kh; }  // dk's rows
   size_t row_index(int b, int n, int t) const { return (size_t(b) * c.N + n) * c.T + t; }  // lse, dlse: BNT
   // Bias / dbias element of (b, n, t, s) in its own storage.
   size_t bias_index(int b, int n, int t, int s) const {
@@ -151,6 +168,9 @@ struct Problem {
     p.window_left = c.window_left, p.window_right = c.window_right;
     if (c.bottom_right) p.flags |= jaxflash::kBottomRight;
     if (c.exact) p.flags |= jaxflash::kExactF32;
+    p.softcap = c.softcap;
+    if (c.alibi)
+      for (int n = 0; n < N; ++n) slopes.push_back(alibi_slope_of(n));
 
     // Sequence lengths: batch 0 gets kv_len 0 (no key at all) when B > 2, batch 1 a
     // q_len short of T.
@@ -226,17 +246,31 @@ struct Problem {
       }
   }
 
+  // scale q.k of (b, n, t, s), soft-capped (params.h), and the derivative of that capped
+  // logit with respect to scale q.k (1 without a cap).
+  double capped_logit(int b, int n, int t, int s, double* slope = nullptr) const {
+    double dot = 0;
+    for (int h = 0; h < c.H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, n / G, s, h)];
+    const double x = p.scale * dot;
+    if (c.softcap == 0.f) {
+      if (slope) *slope = 1.0;
+      return x;
+    }
+    const double th = std::tanh(x / c.softcap);
+    if (slope) *slope = 1.0 - th * th;
+    return c.softcap * th;
+  }
+
   // Row t of instance (b, n): P (0 where invisible) and lse (-inf if nothing is visible).
   void probabilities(int b, int n, int t, std::vector<double>& prob, double& lse_r) const {
-    const int S = c.S, H = c.H, kh = n / G;
+    const int S = c.S;
     const jaxflash::InstanceBounds hb = bounds(b);
     std::vector<double> logit(S, -INFINITY);
     double mx = -INFINITY;
     for (int s = 0; s < S; ++s) {
       if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s) || !ids_visible(b, t, s)) continue;
-      double dot = 0;
-      for (int h = 0; h < H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, kh, s, h)];
-      logit[s] = p.scale * dot + (bias_n ? bias.val[bias_index(b, n, t, s)] : 0.0);
+      logit[s] = capped_logit(b, n, t, s) + (bias_n ? bias.val[bias_index(b, n, t, s)] : 0.0);
+      if (c.alibi) logit[s] -= slopes[n] * std::fabs(double(s - t - hb.offset));
       mx = std::max(mx, logit[s]);
     }
     double sum = 0;
@@ -298,11 +332,19 @@ struct Problem {
       set_view(p.q_lens, d_lens->ptr, 1, 0, 0, 0, 0);
       set_view(p.kv_lens, static_cast<int32_t*>(d_lens->ptr) + B, 1, 0, 0, 0, 0);
     }
-    d_dq = std::make_unique<DeviceBuffer>(q.bits.size());
+    // A traced scale: dq of the scaled query in float32 (params.h), dscale laid out as dk's rows.
+    d_dq = std::make_unique<DeviceBuffer>(c.traced_scale ? 4 * q.size() : q.bits.size());
     d_dk = std::make_unique<DeviceBuffer>(k.bits.size());
     d_dv = std::make_unique<DeviceBuffer>(v.bits.size());
     q_like(p.dq, d_dq->ptr);
     k_like(p.dk, d_dk->ptr), k_like(p.dv, d_dv->ptr);
+    if (c.traced_scale) {
+      p.flags |= jaxflash::kScaleOperand | jaxflash::kHasDscale;
+      d_scale = std::make_unique<DeviceBuffer>(&p.scale, 4);  // shared by every instance
+      set_view(p.scale_operand, d_scale->ptr, 0, 0, 0, 0, 0);
+      d_dscale = std::make_unique<DeviceBuffer>(size_t(B) * S * K * 4);
+      set_view(p.dscale, d_dscale->ptr, int64_t(S) * K, 1, 0, K, 0);
+    }
     if (dbias_n) {
       p.flags |= jaxflash::kHasDbias;
       d_dbias = std::make_unique<DeviceBuffer>(dbias_n * elem_bytes(bias.t));
@@ -316,6 +358,11 @@ struct Problem {
       set_view(p.q_segment_ids, d_ids->ptr, T, 0, 0, 1, 0);
       set_view(p.kv_segment_ids, static_cast<int32_t*>(d_ids->ptr) + size_t(B) * T, S, 0, 0, 1, 0);
     }
+    if (c.alibi) {  // shared by the batch (stride 0)
+      p.flags |= jaxflash::kHasAlibi;
+      d_slopes = std::make_unique<DeviceBuffer>(slopes.data(), slopes.size() * 4);
+      set_view(p.alibi_slopes, d_slopes->ptr, 0, G, 1, 0, 0);
+    }
     const int64_t ws = jaxflash::gpu::backward_workspace_bytes(p.num_instances(), T, S, c.H, c.dtype,
                                                                p.has(jaxflash::kHasSegmentIds));
     d_ws = std::make_unique<DeviceBuffer>(size_t(ws) + 8);
@@ -324,7 +371,7 @@ struct Problem {
   // One backward call on garbage-filled outputs and workspace (the workspace
   // starts 8 bytes into its allocation: any alignment must work).
   void run() {
-    for (DeviceBuffer* d : {d_dq.get(), d_dk.get(), d_dv.get(), d_dbias.get(), d_ws.get()})
+    for (DeviceBuffer* d : {d_dq.get(), d_dk.get(), d_dv.get(), d_dbias.get(), d_dscale.get(), d_ws.get()})
       if (d) CHECK_CUDA(cudaMemset(d->ptr, 0xFF, d->bytes));
     CHECK_CUDA(jaxflash::gpu::launch_backward(p, static_cast<char*>(d_ws->ptr) + 8, nullptr));
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -356,16 +403,22 @@ bool run_case(const Case& c, std::mt19937& rng) {
   pr.upload();
   pr.run();
   const int B = c.B, N = c.N, K = c.K, T = c.T, S = c.S, H = c.H, G = pr.G;
-  HostArray dq(c.dtype, pr.q.size()), dk(c.dtype, pr.k.size()), dv(c.dtype, pr.v.size());
+  HostArray dq(c.traced_scale ? DType::kF32 : c.dtype, pr.q.size()), dk(c.dtype, pr.k.size()), dv(c.dtype, pr.v.size());
   pr.d_dq->download(dq.bits.data());
   pr.d_dk->download(dk.bits.data());
   pr.d_dv->download(dv.bits.data());
   HostArray dbias(pr.bias.t, std::max<size_t>(pr.dbias_n, 1));
   if (pr.dbias_n) pr.d_dbias->download(dbias.bits.data());
+  std::vector<float> dscale(c.traced_scale ? size_t(B) * S * K : 0);
+  if (c.traced_scale) pr.d_dscale->download(dscale.data());
+  // The kernel's dq with a traced scale is that of the scaled query: scale it as jaxflash/attention.py does.
+  const double dq_factor = c.traced_scale ? pr.p.scale : 1.0;
 
   // Reference gradients in double.
   std::vector<double> rdq(pr.q.size(), 0.0), rdk(pr.k.size(), 0.0), rdv(pr.v.size(), 0.0);
   std::vector<double> rdbias(pr.dbias_n, 0.0);
+  // dscale per kv instance (b, kh): Σ dS·(q·k), and Σ |dS·(q·k)|, the size of the terms it cancels from.
+  std::vector<double> rdscale(size_t(B) * K, 0.0), dscale_terms(size_t(B) * K, 0.0);
   std::vector<double> prob(S), ds(S);
   for (int b = 0; b < B; ++b)
     for (int n = 0; n < N; ++n) {
@@ -379,10 +432,19 @@ bool run_case(const Case& c, std::mt19937& rng) {
           if (prob[s] == 0) continue;
           double dp = 0;
           for (int h = 0; h < H; ++h) dp += pr.d_o.val[pr.q_index(b, n, t, h)] * pr.v.val[pr.kv_index(b, kh, s, h)];
-          ds[s] = prob[s] * (dp - delta);
+          ds[s] = prob[s] * (dp - delta);  // of the logit (dbias's)
+          double cap_slope;
+          pr.capped_logit(b, n, t, s, &cap_slope);
+          const double ds_qk = pr.p.scale * cap_slope * ds[s];  // of q.k
+          if (c.traced_scale) {  // dscale = Σ dS_qk·(q·k) / scale: the logit's slope in the scale
+            double qk = 0;
+            for (int h = 0; h < H; ++h) qk += pr.q.val[pr.q_index(b, n, t, h)] * pr.k.val[pr.kv_index(b, kh, s, h)];
+            rdscale[size_t(b) * K + kh] += cap_slope * ds[s] * qk;
+            dscale_terms[size_t(b) * K + kh] += std::fabs(cap_slope * ds[s] * qk);
+          }
           for (int h = 0; h < H; ++h) {
-            rdq[pr.q_index(b, n, t, h)] += pr.p.scale * ds[s] * pr.k.val[pr.kv_index(b, kh, s, h)];
-            rdk[pr.kv_index(b, kh, s, h)] += pr.p.scale * ds[s] * pr.q.val[pr.q_index(b, n, t, h)];
+            rdq[pr.q_index(b, n, t, h)] += ds_qk * pr.k.val[pr.kv_index(b, kh, s, h)];
+            rdk[pr.kv_index(b, kh, s, h)] += ds_qk * pr.q.val[pr.q_index(b, n, t, h)];
             rdv[pr.kv_index(b, kh, s, h)] += prob[s] * pr.d_o.val[pr.q_index(b, n, t, h)];
           }
           if (pr.dbias_n) rdbias[pr.bias_index(b, n, t, s)] += ds[s];
@@ -405,7 +467,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < H; ++h) {
           const size_t i = pr.q_index(b, n, t, h);
-          e_dq.add(dq.get(i), rdq[i]);
+          e_dq.add(dq_factor * dq.get(i), rdq[i]);
           if (t >= hb.q_len && dq.get(i) != 0) ++bad_zero;
         }
         for (int h = H; h < pr.Hp; ++h) bad_pad += !sentinel(dq, pr.q_index(b, n, t, h));
@@ -423,20 +485,38 @@ bool run_case(const Case& c, std::mt19937& rng) {
       }
   }
   for (size_t i = 0; i < pr.dbias_n; ++i) e_db.add(dbias.get(i), rdbias[i]);
+  // dscale: only its sum over the rows is defined (params.h); every row must be written (finite). Its
+  // error is held to the size of the terms the sum cancels from: from float32 dS, float32 accuracy
+  // (tf32's products: their rounding of q·k).
+  double dscale_err = 0;
+  int64_t dscale_bad = 0;
+  for (int b = 0; c.traced_scale && b < B; ++b)
+    for (int kh = 0; kh < K; ++kh) {
+      double sum = 0;
+      for (int s = 0; s < S; ++s) {
+        const float x = dscale[pr.dscale_index(b, kh, s)];
+        dscale_bad += !std::isfinite(x);
+        sum += x;
+      }
+      const size_t i = size_t(b) * K + kh;
+      dscale_err = std::max(dscale_err, std::fabs(sum - rdscale[i]) / std::max(dscale_terms[i], 1e-3));
+    }
+  const double dscale_tol = c.dtype == DType::kF32 && !c.exact ? 2e-3 : 1e-4;
 
   const double tol = c.dtype == DType::kBF16 ? 3e-2 : 1e-2;
   auto close = [&](const ErrStat& e) { return c.exact ? e.ok_fp32() : e.ok(tol); };
   const bool ok = close(e_dq) && close(e_dk) && close(e_dv) && (pr.dbias_n == 0 || close(e_db)) && bad_pad == 0 &&
-                  bad_zero == 0;
+                  bad_zero == 0 && dscale_bad == 0 && dscale_err <= dscale_tol;
   std::printf("%-4s %-58s rel err dq %.1e dk %.1e dv %.1e", ok ? "PASS" : "FAIL", c.name.c_str(),
               e_dq.max_err / std::max(e_dq.max_ref, 1e-3), e_dk.max_err / std::max(e_dk.max_ref, 1e-3),
               e_dv.max_err / std::max(e_dv.max_ref, 1e-3));
   if (pr.dbias_n) std::printf(" dbias %.1e", e_db.max_err / std::max(e_db.max_ref, 1e-3));
+  if (c.traced_scale) std::printf(" dscale %.1e of its terms (tol %.0e)", dscale_err, dscale_tol);
   if (c.exact)
     std::printf(" (tol 2e-05 x max(1, max|ref|))");
   else
     std::printf(" (tol %.0e)", tol);
-  const int64_t bad = e_dq.bad + e_dk.bad + e_dv.bad + e_db.bad;
+  const int64_t bad = e_dq.bad + e_dk.bad + e_dv.bad + e_db.bad + dscale_bad;
   if (bad || bad_pad || bad_zero)
     std::printf("  non-finite %lld, pad writes %lld, nonzero-where-zero %lld", (long long)bad, (long long)bad_pad,
                 (long long)bad_zero);
@@ -444,7 +524,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
   return ok;
 }
 
-// Runs a case `repeats` times and compares dq, dk, dv, dbias bit for bit.
+// Runs a case `repeats` times and compares dq, dk, dv, dbias, dscale bit for bit.
 bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   Problem pr(c, rng);
   pr.upload();
@@ -453,7 +533,7 @@ bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   for (int rep = 0; rep < repeats && same; ++rep) {
     pr.run();
     std::vector<std::vector<uint8_t>> outs;
-    for (DeviceBuffer* d : {pr.d_dq.get(), pr.d_dk.get(), pr.d_dv.get(), pr.d_dbias.get()}) {
+    for (DeviceBuffer* d : {pr.d_dq.get(), pr.d_dk.get(), pr.d_dv.get(), pr.d_dbias.get(), pr.d_dscale.get()}) {
       if (!d) continue;
       outs.emplace_back(d->bytes);
       d->download(outs.back().data());
@@ -618,6 +698,57 @@ int main(int argc, char** argv) {
                     Segments::kDocs),
       with_segments(exact({"f32 segments tile docs T256 S320 H128", f32, 2, 2, 2, 256, 320, 128}),
                     Segments::kTileDocs),
+      // Segment ids with ids in any order (the element test everywhere, no tile skipped), at
+      // the head dims of the sm_90 kernel.
+      with_segments({"bf16 segments random ids causal T200 S260 H128", bf16, 2, 2, 1, 200, 260, 128, kUnb, 0},
+                    Segments::kRandom),
+      with_segments({"f16 segments random ids GQA N4 K2 T150 S190 H64", f16, 2, 4, 2, 150, 190, 64},
+                    Segments::kRandom),
+      // The soft-cap and ALiBi, alone, together and with segment ids: on Hopper the 16-bit
+      // D = 64 / 128 cases run the sm_90 kernel's copy for them (its transposed fragments:
+      // tails, causal / window / bottom-right diagonals, GQA, lengths), the others (float32,
+      // a mask, D = 96) the mma.sync general kernel.
+      with_softcap({"bf16 softcap 2 T200 S300 H64", bf16, 2, 2, 2, 200, 300, 64}, 2.f),
+      with_softcap({"f16 softcap 1.5 causal GQA N4 K2 T257 S257 H128", f16, 2, 4, 2, 257, 257, 128, kUnb, 0}, 1.5f),
+      with_softcap({"bf16 softcap 5 scale 1 T130 S190 H128", bf16, 1, 2, 2, 130, 190, 128, kUnb, kUnb, false,
+                    Bias::kNone, false, Mask::kNone, false, false, Layout::kBTNH, 1.f},
+                   5.f),
+      with_alibi({"bf16 alibi causal T150 S230 H128", bf16, 2, 2, 2, 150, 230, 128, kUnb, 0}),
+      with_alibi({"f16 alibi T113 S203 H64", f16, 2, 3, 3, 113, 203, 64}),
+      with_alibi({"bf16 alibi lens bottom-right window (40, 8) T180 S260 H64", bf16, 3, 2, 1, 180, 260, 64, 40, 8,
+                  true, Bias::kNone, false, Mask::kNone, true}),
+      with_alibi({"f16 alibi lens bottom-right causal GQA N4 K2 T90 S140 H128", f16, 3, 4, 2, 90, 140, 128, kUnb, 0,
+                  true, Bias::kNone, false, Mask::kNone, true}),
+      with_alibi(with_softcap({"f16 alibi + softcap 2 T160 S160 H64 + dlse", f16, 1, 2, 2, 160, 160, 64, kUnb, kUnb,
+                               false, Bias::kNone, false, Mask::kNone, false, true},
+                              2.f)),
+      with_alibi(with_softcap(with_segments({"bf16 alibi + softcap 3 + segments docs causal GQA N4 K2 T300 S300 H128",
+                                             bf16, 2, 4, 2, 300, 300, 128, kUnb, 0},
+                                            Segments::kDocs),
+                              3.f)),
+      with_softcap(with_segments({"f16 softcap 2.5 + segments docs + lens T257 S300 H64", f16, 3, 2, 1, 257, 300, 64,
+                                  kUnb, kUnb, false, Bias::kNone, false, Mask::kNone, true},
+                                 Segments::kDocs),
+                   2.5f),
+      with_alibi(with_segments({"f16 alibi + segments tile docs T320 S448 H128", f16, 2, 2, 2, 320, 448, 128},
+                               Segments::kTileDocs)),
+      with_alibi(with_segments({"bf16 alibi + segments random ids T129 S200 H64", bf16, 2, 2, 2, 129, 200, 64},
+                               Segments::kRandom)),
+      with_alibi(with_softcap({"bf16 alibi + softcap 2 + mask T129 S140 H64", bf16, 2, 2, 2, 129, 140, 64, kUnb, kUnb,
+                               false, Bias::kNone, false, Mask::kRandom},
+                              2.f)),
+      with_alibi(with_softcap({"f16 alibi + softcap 2 causal T100 S150 H96", f16, 2, 2, 1, 100, 150, 96, kUnb, 0},
+                              2.f)),
+      with_alibi(with_softcap({"f32 alibi + softcap 2 causal GQA T100 S150 H64", f32, 2, 4, 2, 100, 150, 64, kUnb, 0},
+                              2.f)),
+      // A traced scale (the general variants): GQA (dscale summed over the group), lengths with an
+      // instance that sees no key, bias + dbias + mask, a window, a negative scale, tf32 and 3xTF32.
+      traced({"bf16 GQA N8 K2 causal lens T100 S150 H128", bf16, 3, 8, 2, 100, 150, 128, kUnb, 0, false,
+              Bias::kNone, false, Mask::kNone, true}),
+      traced({"f16 bias (N,T,S) + dbias + mask T90 S70 H64 scale -0.3", f16, 2, 2, 2, 90, 70, 64, kUnb, kUnb,
+              false, Bias::kHeads, true, Mask::kRandom, false, false, Layout::kBTNH, -0.3f}),
+      traced({"f32 window (10, 3) T150 S150 H96", f32, 1, 2, 1, 150, 150, 96, 10, 3}),
+      traced(exact({"f32 T77 S130 H72 causal GQA", f32, 2, 4, 2, 77, 130, 72, kUnb, 0})),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
@@ -639,6 +770,13 @@ int main(int argc, char** argv) {
       with_segments({"bf16 segments docs causal GQA N8 K2 T1000 S1000 H128", bf16, 2, 8, 2, 1000, 1000, 128, kUnb,
                      0},
                     Segments::kDocs),
+      // The same with the score modifiers (on Hopper the sm_90 kernel's copy for them, whose
+      // consumers name each dQ turn to its writer).
+      with_alibi(with_softcap(with_segments({"f16 alibi + softcap + segments docs causal GQA N8 K2 T1000 S1000 H64",
+                                             f16, 2, 8, 2, 1000, 1000, 64, kUnb, 0},
+                                            Segments::kDocs),
+                              4.f)),
+      traced({"bf16 causal GQA N8 K2 T1000 S1000 H128", bf16, 2, 8, 2, 1000, 1000, 128, kUnb, 0}),
   };
   if (quick) det.clear();
   for (const Case& c : det) (run_determinism(c, 3, rng) ? passed : failed)++;

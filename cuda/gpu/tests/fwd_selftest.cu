@@ -50,13 +50,14 @@ struct Case {
   bool out_f32 = false;  // kOutputF32: o in float32 whatever the dtype
   bool exact = false;    // kExactF32 (float32 only): 3xTF32 MMAs, fp32-accurate
   Segments segments = Segments::kNone;
+  float softcap = 0.f;  // logits_soft_cap; 0: none
+  bool alibi = false;   // ALiBi: a slope per query head
 };
 
 Case exact(Case c) { return exact_variant(c); }
-Case with_segments(Case c, Segments s) {
-  c.segments = s;
-  return c;
-}
+Case with_segments(Case c, Segments s) { return segments_variant(c, s); }
+Case with_softcap(Case c, float cap) { return softcap_variant(c, cap); }
+Case with_alibi(Case c) { return alibi_variant(c); }
 
 bool run_case(const Case& c, std::mt19937& rng) {
   const int B = c.B, N = c.N, K = c.K, G = N / K, T = c.T, S = c.S, H = c.H;
@@ -75,6 +76,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
   p.seqlen_q = T, p.seqlen_k = S, p.head_dim = H;
   p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(H));
   p.window_left = c.window_left, p.window_right = c.window_right;
+  p.softcap = c.softcap;
   if (c.bottom_right) p.flags |= jaxflash::kBottomRight;
   if (c.exact) p.flags |= jaxflash::kExactF32;
 
@@ -206,6 +208,17 @@ bool run_case(const Case& c, std::mt19937& rng) {
     return c.segments == Segments::kNone || q_ids[size_t(b) * T + t] == kv_ids[size_t(b) * S + s];
   };
 
+  // ALiBi: slopes in [0.05, 1) per query head n = kh * G + g (instance strides only).
+  std::vector<float> slopes;
+  std::unique_ptr<DeviceBuffer> d_slopes;
+  if (c.alibi) {
+    p.flags |= jaxflash::kHasAlibi;
+    std::uniform_real_distribution<float> slope(0.05f, 1.f);
+    for (int n = 0; n < N; ++n) slopes.push_back(slope(rng));
+    d_slopes = std::make_unique<DeviceBuffer>(slopes.data(), slopes.size() * 4);
+    set_view(p.alibi_slopes, d_slopes->ptr, 0, G, 1, 0, 0);
+  }
+
   // The workspace starts 8 bytes into its allocation: any alignment must work.
   const int64_t ws_bytes = jaxflash::gpu::forward_workspace_bytes(p.num_instances(), T, S, H, c.dtype,
                                                                   p.has(jaxflash::kHasSegmentIds));
@@ -238,7 +251,10 @@ bool run_case(const Case& c, std::mt19937& rng) {
             if (!jaxflash::position_visible(p, hb, t, s) || !mask_at(b, t, s) || !ids_visible(b, t, s)) continue;
             double dot = 0;
             for (int h = 0; h < H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, kh, s, h)];
-            logit[s] = p.scale * dot + bias_at(b, n, t, s);
+            logit[s] = p.scale * dot;
+            if (c.softcap > 0.f) logit[s] = c.softcap * std::tanh(logit[s] / c.softcap);
+            logit[s] += bias_at(b, n, t, s);
+            if (c.alibi) logit[s] -= slopes[n] * std::fabs(double(s) - t - hb.offset);
             mx = std::max(mx, logit[s]);
           }
           double sum = 0;
@@ -422,6 +438,27 @@ int main(int argc, char** argv) {
                     Segments::kDocs),
       with_segments(exact({"f32 segments tile docs GQA T256 S320 H128", f32, 2, 4, 2, 256, 320, 128}),
                     Segments::kTileDocs),
+      // Soft-cap and ALiBi: on Hopper the 16-bit D = 64 / 128 / 256 cases run the sm_90
+      // kernel's score-modifier copy, the others (and all in fwd_mma_selftest) mma.sync's.
+      with_softcap({"bf16 soft-cap 2.5 causal T300 S300 H128", bf16, 2, 2, 2, 300, 300, 128, kUnb, 0}, 2.5f),
+      with_softcap(with_alibi({"f16 soft-cap 5 + alibi GQA T257 S300 H64", f16, 2, 4, 2, 257, 300, 64}), 5.f),
+      with_alibi({"bf16 alibi + lens, bottom-right causal T200 S333 H64", bf16, 3, 2, 1, 200, 333, 64, kUnb, 0,
+                  true, Bias::kNone, Mask::kNone, true}),
+      with_alibi(with_segments({"bf16 alibi + segments docs causal T384 S384 H128", bf16, 2, 2, 2, 384, 384, 128,
+                                kUnb, 0},
+                               Segments::kDocs)),
+      with_softcap(with_segments({"f16 soft-cap 1.5 + segments tile docs T320 S448 H256", f16, 2, 2, 2, 320, 448,
+                                  256},
+                                 Segments::kTileDocs),
+                   1.5f),
+      with_softcap({"bf16 soft-cap 3 + window (50, 10), scale -0.3 T200 S260 H128", bf16, 2, 2, 2, 200, 260, 128, 50,
+                    10, false, Bias::kNone, Mask::kNone, false, Layout::kBTNH, -0.3f},
+                   3.f),
+      with_softcap(with_alibi({"f16 soft-cap 4 + alibi + bias T129 S140 H96", f16, 2, 2, 2, 129, 140, 96, kUnb, kUnb,
+                               false, Bias::kF32QueryKey}),
+                   4.f),
+      with_softcap(with_alibi({"f32 soft-cap 2 + alibi causal T100 S120 H64", f32, 2, 2, 2, 100, 120, 64, kUnb, 0}),
+                   2.f),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;

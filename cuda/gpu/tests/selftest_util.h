@@ -118,6 +118,24 @@ enum class Segments {
   kRandom,    // ids in {0, 1, 2} in any order: no tile skipped, the element test everywhere
 };
 
+// Segment ids, a soft-cap, ALiBi: the case with that feature (each self-test
+// wraps these for braced case lists, as exact above).
+template <class Case>
+Case segments_variant(Case c, Segments s) {
+  c.segments = s;
+  return c;
+}
+template <class Case>
+Case softcap_variant(Case c, float cap) {
+  c.softcap = cap;
+  return c;
+}
+template <class Case>
+Case alibi_variant(Case c) {
+  c.alibi = true;
+  return c;
+}
+
 // (B, L) int32 ids, row-major, for sequences of length L. Queries and keys get the same
 // documents (the same `seed`) over their own lengths, as in self-attention; `pad_id` marks
 // the padding of kDocs.
