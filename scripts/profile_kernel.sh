@@ -8,6 +8,8 @@
 #   scripts/profile_kernel.sh fwd|bwd                      every benchmark shape
 #   scripts/profile_kernel.sh bwd 128 4096 full            one shape (D, N, causal|full)
 #   scripts/profile_kernel.sh fwd 128 4096 causal ncu      ... and its Nsight Compute profile
+#   scripts/profile_kernel.sh bwd 128 4096 full split      ... and each kernel's share of one call
+#                                                          (memset, pre-pass, main, post-pass)
 set -euo pipefail
 DIRECTION=${1:?usage: $0 fwd|bwd [D N causal|full [ncu]]}
 shift
@@ -25,6 +27,28 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DJAXFLASH_CUD
   -DJAXFLASH_CUDA_ARCHITECTURES=90a -DJAXFLASH_BUILD_SELFTESTS=ON -DCMAKE_CUDA_FLAGS="${EXTRA_FLAGS:-}" >/dev/null
 cmake --build "$BUILD" -j 16 --target "${DIRECTION}_selftest"
 "$BUILD/${DIRECTION}_selftest" bench-only "${@:1:3}"
+if [ "${4:-}" = split ]; then
+  # Every kernel of the first calls (the bench warms up with 3), at the running clocks and with
+  # the caches as the call leaves them: duration, DRAM bytes and SM activity per kernel.
+  name="${DIRECTION}_$1_$2_$3"
+  ncu --clock-control none --cache-control none -c 12 --csv --page raw \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__cycles_active.avg,sm__cycles_elapsed.max \
+    "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" > "$OUT/$name.split.csv" 2>&1 || true
+  python3 - "$OUT/$name.split.csv" <<'PY' | tee "$OUT/$name.split.txt"
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, units, data = rows[0], rows[1], rows[2:]
+col = {h: i for i, h in enumerate(head)}
+print(f"{'kernel':48s} {'us':>8s} {'DRAM rd MB':>10s} {'wr MB':>8s} {'SM active':>9s}")
+for r in data:
+  dur = float(r[col["gpu__time_duration.sum"]]) * {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3}[
+      units[col["gpu__time_duration.sum"]]]
+  mb = lambda m: float(r[col[m]]) / {"byte": 1e6, "Kbyte": 1e3, "Mbyte": 1, "Gbyte": 1e-3}[units[col[m]]]
+  act = float(r[col["sm__cycles_active.avg"]]) / max(float(r[col["sm__cycles_elapsed.max"]]), 1)
+  print(f"{r[col['Kernel Name']][:48]:48s} {dur:8.1f} {mb('dram__bytes_read.sum'):10.1f} "
+        f"{mb('dram__bytes_write.sum'):8.1f} {act:9.2f}")
+PY
+fi
 if [ "${4:-}" = ncu ]; then
   name="${DIRECTION}_$1_$2_$3"
   ncu --set full -k "$KERNEL" -c 1 -o "$OUT/$name" -f "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" \
