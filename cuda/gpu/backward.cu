@@ -33,7 +33,7 @@ cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime&
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kRowWarps = 8;  // rows (one warp each) per CTA of the pre / post passes
+constexpr int kPassThreads = 256;  // per CTA of the pre / post passes
 
 template <class T>
 __device__ __forceinline__ T store_float(float x) {
@@ -42,11 +42,12 @@ __device__ __forceinline__ T store_float(float x) {
   else return __float2bfloat16_rn(x);
 }
 
-// One warp per workspace row (instance, t), t < t_pad.
-__global__ void __launch_bounds__(32 * kRowWarps) backward_prepass(const __grid_constant__ AttentionParams p,
-                                                                   const BwdRuntime rt) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+// One thread per workspace row (instance, t), t < t_pad. (One warp per row, as
+// this pass was, took 120 us for 16k tokens x 16 heads on the H100: a warp's
+// worth of index arithmetic for three floats.)
+__global__ void __launch_bounds__(kPassThreads) backward_prepass(const __grid_constant__ AttentionParams p,
+                                                                 const BwdRuntime rt) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kPassThreads + threadIdx.x;
   if (row >= p.num_instances() * rt.t_pad) return;
   const int64_t linear = row / rt.t_pad, t = row - linear * rt.t_pad;
   float lse2 = INFINITY, lse2_lo = 0.f, delta = 0.f;  // P = exp2(s - inf) = 0: no gradient from this row
@@ -59,45 +60,76 @@ __global__ void __launch_bounds__(32 * kRowWarps) backward_prepass(const __grid_
       lse2_lo = lse[p.lse.col_stride];
     }
   }
-  if (lane == 0) {
-    rt.lse2[row] = lse2;
-    rt.lse2_lo[row] = lse2_lo;
-    rt.delta[row] = delta;
-  }
+  rt.lse2[row] = lse2;
+  rt.lse2_lo[row] = lse2_lo;
+  rt.delta[row] = delta;
 }
 
-// One warp per dq row (instance, t), t < T. The accumulator holds each Q tile
-// as `chunks` blocks of block_m x chunk_cols floats in the kernel's fragment
-// order (bwd_dq.h, dq_frag_offset): element (r, d) of a block sits in warp
-// (r / rows, d / cols)'s part, fragment (mf, nf), element e, lane 4 g + q.
+// Two adjacent columns of a dq row, from float32: one paired store where the
+// host found every row's columns aligned to two elements (`pairs`), else two.
 template <class T>
-__global__ void __launch_bounds__(32 * kRowWarps) backward_postpass(const __grid_constant__ AttentionParams p,
-                                                                    const BwdRuntime rt) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
-  if (row >= p.num_instances() * p.seqlen_q) return;
-  const int64_t linear = row / p.seqlen_q, t = row - linear * p.seqlen_q;
-  const bool live = t < instance_bounds(p, linear).q_len;
+__device__ __forceinline__ void store_dq_pair(T* dst, float x0, float x1, bool both, bool pairs) {
+  if constexpr (sizeof(T) == 2) {
+    if (both && pairs) {
+      if constexpr (std::is_same_v<T, __half>) *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x0, x1);
+      else *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x0, x1);
+      return;
+    }
+  } else if (both && pairs) {
+    *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
+    return;
+  }
+  dst[0] = store_float<T>(x0);
+  if (both) dst[1] = store_float<T>(x1);
+}
+
+// One CTA per (instance, Q tile). The accumulator holds the tile as `chunks`
+// blocks of block_m x chunk_cols floats in the main kernel's fragment order
+// (bwd_dq.h, dq_frag_offset): warp w's part of a chunk is MF x NF fragments of
+// 4 x 32 floats, element e of lane 4 g + q being row 16 mf + 8 (e / 2) + g,
+// column 8 nf + 2 q + e % 2 of the warp's block. Each warp of this pass takes
+// whole (chunk, warp) parts and walks their fragments: every load is 32
+// consecutive floats, and each lane stores two adjacent columns of two rows.
+// (One warp per dq row, reading the fragment order scattered and decoding it
+// per element with divisions, took 255 us for 16k tokens x 2048 features on the
+// H100: a quarter of the whole backward at N = 1k.)
+template <class T>
+__global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_constant__ AttentionParams p,
+                                                                  const BwdRuntime rt, bool pairs) {
+  const int lane = threadIdx.x % 32, pass_warp = threadIdx.x / 32;
+  const int64_t linear = blockIdx.x / rt.q_tiles, m0 = (blockIdx.x - linear * rt.q_tiles) * rt.dq.block_m;
+  const int64_t q_len = instance_bounds(p, linear).q_len;
   const InstanceIndex inst(p, linear);
-  T* dq = inst.origin<T>(p, p.dq) + t * p.dq.row_stride;
   // kScaleOperand: the scaled query's dq, in float32 and without the scale (params.h).
-  float* dq_f32 = p.has(kScaleOperand) ? inst.origin<float>(p, p.dq) + t * p.dq.row_stride : nullptr;
+  const bool f32 = p.has(kScaleOperand);
+  T* const dq = inst.origin<T>(p, p.dq);
+  float* const dq_f32 = inst.origin<float>(p, p.dq);
+  const float scale = f32 ? 1.f : rt.scale;
   const BwdDqGrid& g = rt.dq;
-  // The row's part of the position: tile, warp row, m fragment, g and the h of e.
-  const int r = static_cast<int>(t % g.block_m);
-  const int rr = r % g.rows;
-  const float* tile = rt.dq_acc + (linear * rt.t_pad + (t - r)) * rt.d_pad;
-  const int warp_m = r / g.rows, mf = rr / 16, gq = rr % 8, h = (rr % 16) / 8;
-  for (int64_t d = lane; d < p.head_dim; d += 32) {
-    const int c = static_cast<int>(d) / g.chunk_cols, dc = static_cast<int>(d) % g.chunk_cols;
-    const int wn = dc / g.cols, cc = dc % g.cols;
-    const int warp = warp_m * g.warps_n + wn, nf = cc / 8, e = 2 * h + (cc & 1), ln = 4 * gq + (cc % 8) / 2;
-    const float x = tile[static_cast<int64_t>(c) * g.block_m * g.chunk_cols +
-                         (((warp * g.mf + mf) * g.nf + nf) * 4 + e) * 32 + ln];
-    if (dq_f32 != nullptr)
-      dq_f32[d] = live ? x : 0.f;
-    else
-      dq[d] = store_float<T>(live ? x * rt.scale : 0.f);
+  const float* const tile = rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad;
+  const int part_floats = g.mf * g.nf * 128;
+  const int head_dim = static_cast<int>(p.head_dim);
+  for (int part = pass_warp; part < g.chunks * g.warps; part += kPassThreads / 32) {
+    const int chunk = part / g.warps, warp = part - chunk * g.warps;
+    const int row0 = (warp / g.warps_n) * g.rows + lane / 4;
+    const int col0 = chunk * g.chunk_cols + (warp % g.warps_n) * g.cols + 2 * (lane % 4);
+    const float* src = tile + static_cast<int64_t>(part) * part_floats + lane;
+    for (int mf = 0; mf < g.mf; ++mf)
+      for (int nf = 0; nf < g.nf; ++nf, src += 128) {
+        const float x[4] = {src[0], src[32], src[64], src[96]};
+        const int col = col0 + 8 * nf;
+        if (col >= head_dim) continue;
+        const bool both = col + 1 < head_dim;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t t = m0 + row0 + 16 * mf + 8 * h;
+          if (t >= p.seqlen_q) continue;
+          const float k = t < q_len ? scale : 0.f;  // rows past q_len: exactly 0
+          const int64_t at = t * p.dq.row_stride + col;
+          if (f32) store_dq_pair(dq_f32 + at, x[2 * h] * k, x[2 * h + 1] * k, both, pairs);
+          else store_dq_pair(dq + at, x[2 * h] * k, x[2 * h + 1] * k, both, pairs);
+        }
+      }
   }
 }
 
@@ -119,13 +151,17 @@ cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const B
   cudaError_t err = cudaMemsetAsync(base, 0, static_cast<size_t>(w.zero_bytes), stream);
   if (err != cudaSuccess) return err;
   const int64_t instances = p.num_instances();
-  const int64_t pre_blocks = (instances * rt.t_pad + kRowWarps - 1) / kRowWarps;
-  const int64_t post_blocks = (instances * p.seqlen_q + kRowWarps - 1) / kRowWarps;
+  const int64_t pre_blocks = (instances * rt.t_pad + kPassThreads - 1) / kPassThreads;
+  const int64_t post_blocks = p.seqlen_q > 0 ? instances * rt.q_tiles : 0;
   if (pre_blocks > INT_MAX || post_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  if (pre_blocks > 0) backward_prepass<<<static_cast<unsigned>(pre_blocks), 32 * kRowWarps, 0, stream>>>(p, rt);
+  if (pre_blocks > 0) backward_prepass<<<static_cast<unsigned>(pre_blocks), kPassThreads, 0, stream>>>(p, rt);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if ((err = dispatch_head_dim<T, M>(p, rt, stream)) != cudaSuccess) return err;
-  if (post_blocks > 0) backward_postpass<T><<<static_cast<unsigned>(post_blocks), 32 * kRowWarps, 0, stream>>>(p, rt);
+  // dq's elements: float32 with a scale operand (the scaled query's gradient), else T.
+  const int dq_bytes = p.has(kScaleOperand) ? 4 : static_cast<int>(sizeof(T));
+  const bool pairs = rows_aligned(p, p.dq, dq_bytes, 2 * dq_bytes);
+  if (post_blocks > 0)
+    backward_postpass<T><<<static_cast<unsigned>(post_blocks), kPassThreads, 0, stream>>>(p, rt, pairs);
   return cudaGetLastError();
 }
 

@@ -41,12 +41,12 @@ struct InstanceIndex {
   }
 };
 
-// Whether every row of `view` starts on a 16-byte boundary (base, row stride and
-// instance strides), so rows can move in 16-byte chunks. Checked on the host at
-// launch by both directions to pick their vectorised copies.
-inline bool rows_aligned(const AttentionParams& p, const ArrayView& view, int elem_bytes) {
-  const int64_t chunk = 16 / elem_bytes;
-  if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0 || view.row_stride % chunk != 0) return false;
+// Whether every row of `view` starts on a `bytes` boundary (base, row stride and
+// instance strides), so rows can move in chunks of that many bytes. Checked on
+// the host at launch by both directions to pick their vectorised copies.
+inline bool rows_aligned(const AttentionParams& p, const ArrayView& view, int elem_bytes, int bytes = 16) {
+  const int64_t chunk = bytes / elem_bytes;
+  if (reinterpret_cast<uintptr_t>(view.data) % bytes != 0 || view.row_stride % chunk != 0) return false;
   for (int d = 0; d < p.num_inst_dims; ++d)
     if (p.inst_size[d] > 1 && view.inst_stride[d] % chunk != 0) return false;
   return true;
