@@ -315,8 +315,9 @@ def _dscale_centre(q, k, optional, config: KernelConfig):
   differentiate a traced scale. With a soft-cap the mean of slope·q·k is no forward's output, and
   Eᵢ itself would be a poor centre where the cap bites (P weights the largest q·k, whose slope is
   smallest); C = f(Eᵢ), f(x) = x·(1 − tanh²(scale·x/cap)), the mean moved inside the slope, is
-  close to it for loose and tight caps alike (measured in float64 on random rows: 2–10× below
-  the error of C = 0, and of C = E, in every setting tried)."""
+  closer to it for loose and tight caps alike (measured in float64 with δ from P rounded to
+  bf16, RMS over draws: 1.6–820× below the error of C = 0 and 1.2–41× below that of C = E, in
+  every setting tried; docs/DESIGN.md)."""
   optional = tuple(None if slot == "seed" else x for x, slot in zip(optional, OPTIONAL_INPUTS))
   out32, _lse2 = _bind_forward(q, k, k, optional, _centre_config(config))
   return _centre_rows(q, out32, optional[_SCALE], config)
