@@ -42,6 +42,7 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   alibi_slopes                  : instance strides only (one slope per query head)
 //   dalibi                        : row = query position, col unused
 //   dscale                        : row = key position, col unused
+//   dscale_centre                 : row = query position, col unused
 //   scale_operand                 : instance strides only (one scale per instance)
 // data == nullptr means the operand is absent.
 struct ArrayView {
@@ -78,7 +79,7 @@ enum Flags : int64_t {
   // query scale·q, from which jaxflash/attention.py forms dq = scale·g, rounded once to the
   // input dtype (the scale's own gradient is dscale's, below).
   kScaleOperand = 1 << 13,
-  kHasDscale = 1 << 14,  // backward: write dscale (needs kScaleOperand)
+  kHasDscale = 1 << 14,  // backward: write dscale (needs kScaleOperand), reading dscale_centre
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -163,8 +164,9 @@ struct AttentionParams {
   // each element has one writer and the sum needs no atomics or tile-size contract.
   ArrayView dalibi;
   // dscale (kHasDscale): float32, laid out as dk without its features (dk's instance strides, a
-  // row per key): partial sums of a traced scale's gradient Σ dS·(q·k), dS the gradient of the
-  // scaled product scale·q·k (the soft-cap's slope included) and q·k unscaled, over the queries
+  // row per key): partial sums of a traced scale's gradient Σ dS·(q·k - C) (C: dscale_centre,
+  // below), dS the gradient of the scaled product scale·q·k (the soft-cap's slope included; its
+  // centre's share is taken with dS of the logits) and q·k unscaled, over the queries
   // and the instances that dk sums over. Only the sum over the rows is defined: the CPU kernels
   // write each key's own sum, the CUDA kernels a key tile's sum in its first row and 0 in the
   // others. Python sums it (and over the axes the scale is shared along). Formed in the
@@ -172,6 +174,16 @@ struct AttentionParams {
   // CUDA kernels' rounding of dS to the input dtype before dS·K, which this sum, cancelling
   // heavily (each row of dS sums to 0), amplifies past jax.nn's error.
   ArrayView dscale;
+  // dscale_centre (with kHasDscale): float32, per query row t of each instance (delta's layout), the
+  // row's centre C_t: the kernels sum dS·(∂logit/∂scale - C_t) with dS of the logits, i.e.
+  // dS·(slope·q·k - C_t) (slope = 1 without a soft-cap), instead of dS·slope·q·k. Each row of dS
+  // sums to the lse's cotangent in exact arithmetic, and Python adds C·dlse back, so any C gives
+  // the same gradient. But delta comes from the forward's O, whose P·V product rounded P to the
+  // input dtype, so the kernels' rows of dS sum to a small residue besides, which the uncentred sum
+  // multiplies by the row's P-mean of slope·q·k and the centred one by that mean less C: XLA forms
+  // C with one more forward call, E_t = Σ_s P(t, s)·(q_t·k_s) = q·attention(q, k, v = k) (P before
+  // dropout), and C = E, or under a soft-cap E·(1 - tanh²(scale·E/cap)) (docs/DESIGN.md).
+  ArrayView dscale_centre;
 
   JF_HOST_DEVICE bool has(int64_t flag) const { return (flags & flag) != 0; }
 

@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxflash import primitives
 from jaxflash import ring as ring_lib
 from jaxflash.contract import OPTIONAL_INPUTS, Flag, KernelConfig, absent
-from jaxflash.layout import ROW, Layout, drop_col, role_axis
+from jaxflash.layout import ROW, Layout, drop_col, role_axis, with_cols
 from jaxflash.validation import validate, validate_ring
 
 
@@ -231,11 +231,13 @@ def _flash_bwd(config, residuals, cotangents):
     grad_layouts["dalibi"] = grad_layouts["delta"]
     flags |= Flag.HAS_DALIBI
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
+  centre = None
   if wanted.dscale:
     bwd_config = _wanting_dscale(bwd_config)
+    centre = _dscale_centre(q, k, optional, config)
   dq, dk, dv, dbias, dalibi, dscale = primitives.backward_p.bind(
       q, k, v, *_with_placeholders(optional, q.dtype), lse2, delta, d_out.astype(q.dtype),
-      config=bwd_config)
+      absent("dscale_centre", jnp.float32) if centre is None else centre, config=bwd_config)
   if closed_form_dbias:
     dbias = _row_shift_gradient(d_lse, lse2[..., 0], bias)
   d_optional = [None] * len(optional)
@@ -246,7 +248,7 @@ def _flash_bwd(config, residuals, cotangents):
   if config.has(Flag.SCALE_OPERAND):
     dq = _query_gradient(q, dq, optional[_SCALE])
   if wanted.dscale:
-    d_optional[_SCALE] = _scale_gradient(dscale, optional[_SCALE])
+    d_optional[_SCALE] = _scale_gradient(dscale, optional[_SCALE], centre, d_lse)
   return dq, dk, dv, tuple(d_optional)
 
 
@@ -267,21 +269,75 @@ def _query_gradient(q, d_scaled_q, scale):
 
 def _wanting_dscale(config: KernelConfig) -> KernelConfig:
   """The backward's config that also asks for dscale (Flag.HAS_DSCALE), laid out as dk without
-  its features: the kernels sum it over the axes dk sums over."""
-  return config.with_layouts({"dscale": drop_col(config.layout("dk"))}).replace(
+  its features (the kernels sum it over the axes dk sums over), and takes the rows' centres
+  (dscale_centre, _dscale_centre) laid out as delta."""
+  return config.with_layouts({"dscale": drop_col(config.layout("dk")),
+                              "dscale_centre": config.layout("delta")}).replace(
       flags=config.flags | Flag.HAS_DSCALE)
 
 
-def _scale_gradient(dscale_parts, scale):
-  """A traced scale's gradient from the backward's dscale, partial sums of Σ dS∘(q·kᵀ) in
-  float32 (cuda/params.h): their sum over the axes the scale is shared along, every axis of this
-  call's dscale, the scale being one scalar per call. Under vmap this rule runs batched, so the
+def _centre_config(config: KernelConfig) -> KernelConfig:
+  """The forward config of attention(q, k, v=k) with `config`'s logits (bias, masks, lengths,
+  window, segment ids, ALiBi, the scale), without dropout and with o in float32: its output row
+  i is Σⱼ Pᵢⱼ kⱼ, P the softmax that the backward recomputes (before dropout)."""
+  T, S, H, _ = config.seq_dims
+  layouts = {slot: layout for slot, layout in config.layouts if slot != "seed"}
+  layouts.update(v=layouts["k"], o=with_cols(layouts["o"], H))
+  return config.replace(layouts=tuple(sorted(layouts.items())), seq_dims=(T, S, H, H),
+                        flags=(config.flags | Flag.OUTPUT_F32) & ~Flag.DROPOUT,
+                        keep_threshold=0, keep_scale=1.0)
+
+
+def _centre_rows(q, out32, scale, config: KernelConfig):
+  """The rows' centres from out = attention(q, k, v=k) (float32): Eᵢ = qᵢ·outᵢ, q unscaled (the
+  q·kᵀ that dscale's sum multiplies), and under a soft-cap f(Eᵢ) (_dscale_centre)."""
+  e = jnp.sum(q.astype(jnp.float32) * out32, axis=-1)
+  if not config.softcap:
+    return e
+  return e * _cap_slope(scale[0] * e / np.float32(config.softcap))
+
+
+def _cap_slope(y):
+  """d tanh(y) / dy = 1 − tanh²(y), as (1 + t)(1 − t) (the kernels' and jax's form)."""
+  t = jnp.tanh(y)
+  return (1.0 + t) * (1.0 - t)
+
+
+def _dscale_centre(q, k, optional, config: KernelConfig):
+  """The rows' centres of a traced scale's gradient (float32, laid out as delta): the kernels sum
+  Σ dS∘(∂logit/∂scale − Cᵢ), dS of the logits and ∂logit/∂scale = q·kᵀ (times the soft-cap's slope
+  1 − tanh²(scale·q·k/cap)). In exact arithmetic each row of dS sums to the lse's cotangent, which
+  _scale_gradient adds back, so any C gives the same gradient; but Δ comes from the forward's O,
+  whose P·V product rounds P to the input dtype, and the residue δᵢ that leaves in each row of the
+  kernels' dS is multiplied by the row's P-mean of ∂logit/∂scale minus Cᵢ (docs/DESIGN.md, A
+  traced scale). So C is that mean: without a soft-cap Eᵢ = Σⱼ Pᵢⱼ (qᵢ·kⱼ) = qᵢ·attention(q, k,
+  v=k)ᵢ, one more forward call (P before dropout, the P that δ multiplies), only for calls that
+  differentiate a traced scale. With a soft-cap the mean of slope·q·k is no forward's output, and
+  Eᵢ itself would be a poor centre where the cap bites (P weights the largest q·k, whose slope is
+  smallest); C = f(Eᵢ), f(x) = x·(1 − tanh²(scale·x/cap)), the mean moved inside the slope, is
+  closer to it for loose and tight caps alike (measured in float64 with δ from P rounded to
+  bf16, RMS over draws: 1.6–820× below the error of C = 0 and 1.2–41× below that of C = E, in
+  every setting tried; docs/DESIGN.md)."""
+  optional = tuple(None if slot == "seed" else x for x, slot in zip(optional, OPTIONAL_INPUTS))
+  out32, _lse2 = _bind_forward(q, k, k, optional, _centre_config(config))
+  return _centre_rows(q, out32, optional[_SCALE], config)
+
+
+def _scale_gradient(dscale_parts, scale, centre=None, d_lse=None):
+  """A traced scale's gradient from the backward's dscale, partial sums of Σ dS∘(∂logit/∂scale − C)
+  in float32 (cuda/params.h), C the rows' `centre` (_dscale_centre): their sum over the axes the
+  scale is shared along, every axis of this call's dscale, the scale being one scalar per call,
+  plus Σᵢ Cᵢ·d_lseᵢ, what the centre took out of rows whose dS sums to the lse's cotangent
+  (d_lse, the natural lse's: dlse/dlogit = P). Under vmap this rule runs batched, so the
   sum stays per mapped item and each item's scale gets its own gradient (the kernels read each
   item's scale from the operand's stride along the mapped axis). Nothing divides by the scale, so
   scale = 0 has its gradient too. Inside shard_map, a scale replicated over mesh axes that the
   keys vary over (one learned temperature, sharded activations) gets the sum of every device's
   part."""
-  dscale = jnp.reshape(jnp.sum(dscale_parts), (1,))
+  dscale = jnp.sum(dscale_parts)
+  if centre is not None and d_lse is not None and not isinstance(d_lse, SymbolicZero):
+    dscale = dscale + jnp.sum(centre * d_lse.astype(jnp.float32))
+  dscale = jnp.reshape(dscale, (1,))
   summed_axes = tuple(sorted(_varying_axes(dscale) - _varying_axes(scale)))
   return jax.lax.psum(dscale, summed_axes) if summed_axes else dscale
 
@@ -406,13 +462,25 @@ def _ring_bwd(ring, residuals, cotangents):
   delta = _delta(d_out, out32, config)
   delta = delta - d_lse.astype(jnp.float32)
   bwd_config = config.with_layouts(_gradient_layouts(config))
+  centre = None
   if scale is not None:
     bwd_config = _wanting_dscale(bwd_config)
+    centre = _ring_dscale_centre(q, k, scale, ring)
   dq, dk, dv, dscale = ring_lib.backward(q, k, v, lse2, delta, d_out.astype(q.dtype),
-                                         dataclasses.replace(ring, config=bwd_config), scale)
+                                         dataclasses.replace(ring, config=bwd_config), scale,
+                                         centre)
   if scale is not None:
-    dq, dscale = _query_gradient(q, dq, scale), _scale_gradient(dscale, scale)
+    dq = _query_gradient(q, dq, scale)
+    dscale = _scale_gradient(dscale, scale, centre, d_lse)
   return dq, dk, dv, dscale
+
+
+def _ring_dscale_centre(q, k, scale, ring: ring_lib.Ring):
+  """_dscale_centre's E for this device's query block: a ring forward of attention(q, k, v=k)
+  over the whole sequence."""
+  out32, _lse2 = ring_lib.forward(q, k, k, dataclasses.replace(ring, config=_centre_config(ring.config)),
+                                  scale)
+  return _centre_rows(q, out32, scale, ring.config)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

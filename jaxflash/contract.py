@@ -41,7 +41,9 @@ class Flag(enum.IntFlag):
   # ALiBi slopes), not the attribute; the backward then writes dq in float32 and without the
   # scale factor: the gradient of the scaled query scale·q.
   SCALE_OPERAND = 1 << 13
-  HAS_DSCALE = 1 << 14  # backward: write dscale, the scale operand's gradient per key row
+  # backward: write dscale, the scale operand's gradient per key row, centred on the
+  # dscale_centre operand's rows
+  HAS_DSCALE = 1 << 14
 
 
 UNBOUNDED = -1  # kUnbounded: an open side of the attention window
@@ -52,7 +54,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # The operand slots of the "strides" attribute, in the order of enum Slot (decode.h).
 SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
          "d_o", "delta", "dq", "dk", "dv", "dbias", "seed", "q_segment_ids", "kv_segment_ids",
-         "alibi_slopes", "dalibi", "scale", "dscale")
+         "alibi_slopes", "dalibi", "scale", "dscale", "dscale_centre")
 
 # kMaxInstanceDims. Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8
@@ -69,7 +71,10 @@ FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q
                   "kv_segment_ids", "alibi_slopes", "scale")
 # The optional ones, which absent placeholders stand in for (jaxflash/attention.py binds them).
 OPTIONAL_INPUTS = FORWARD_INPUTS[3:]
-BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o")
+# dscale_centre: with HAS_DSCALE, each query row's centre of dscale's sum, its mean logit
+# E = Σ P∘(q·kᵀ) (under a soft-cap times the cap's slope at E; float32, laid out as delta:
+# jaxflash/attention.py, _dscale_centre); a zero-size placeholder otherwise.
+BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o", "dscale_centre")
 FORWARD_RESULTS = ("o", "lse", "workspace")
 # dalibi: per query row, that row's share of the ALiBi slope's gradient; dscale: laid out as dk
 # without its features, partial sums of a traced scale's gradient (cuda/params.h).
@@ -78,7 +83,7 @@ BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "dalibi", "dscale", "workspace")
 # The slots whose ROW axis runs along the query positions; the other slots with a
 # ROW axis (k, v, dk, dv) run along the key positions (view_extent in decode.h).
 QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias",
-                   "q_segment_ids", "dalibi")
+                   "q_segment_ids", "dalibi", "dscale_centre")
 # The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
 # axis must be minor-most in memory.
 COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
@@ -86,7 +91,8 @@ COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
 # query's dtype (XLA's PRED, S32, U32); an absent one is a zero-size array.
 ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32,
                  "q_segment_ids": jnp.int32, "kv_segment_ids": jnp.int32,
-                 "alibi_slopes": jnp.float32, "scale": jnp.float32}
+                 "alibi_slopes": jnp.float32, "scale": jnp.float32,
+                 "dscale_centre": jnp.float32}
 
 
 def absent(slot: str, dtype) -> jax.Array:

@@ -5,7 +5,7 @@
                           -> (o, lse, workspace)
 ``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
                           q_segment_ids, kv_segment_ids, alibi_slopes, scale, lse, delta,
-                          d_o)
+                          d_o, dscale_centre)
                          -> (dq, dk, dv, dbias, dalibi, dscale, workspace)
 
 lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
@@ -18,7 +18,9 @@ ALiBi slopes are (under vmap, a per-item scale is batched like any operand). ``d
 ALiBi slopes' gradient per query row (float32, laid out as delta), zero-size without
 HAS_DALIBI; jaxflash/attention.py sums it over the rows. ``dscale`` holds partial sums of a
 traced scale's gradient (float32, laid out as dk without its features: a row per key), zero-size
-without HAS_DSCALE; jaxflash/attention.py sums them whole.
+without HAS_DSCALE; jaxflash/attention.py sums them whole. ``dscale_centre`` (with HAS_DSCALE,
+else zero-size) is each query row's centre of that sum, its mean logit Σ P∘(q·kᵀ) (float32, laid
+out as delta; jaxflash/attention.py, _dscale_centre).
 ``workspace`` is the CUDA kernels' scratch (uint8), sized here at abstract evaluation by
 the native module so the handler never allocates: the backward's dQ accumulator and row
 statistics, both directions' per-tile segment-id ranges (zero-size for a forward without

@@ -44,6 +44,11 @@ def with_rows(layout: Layout, rows: int) -> Layout:
   return tuple((role, rows if role == ROW else size) for role, size in layout)
 
 
+def with_cols(layout: Layout, cols: int) -> Layout:
+  """The layout with its COL axis resized to `cols` (another head dim)."""
+  return tuple((role, cols if role == COL else size) for role, size in layout)
+
+
 def drop_col(layout: Layout) -> Layout:
   return tuple(axis for axis in layout if axis[0] != COL)
 

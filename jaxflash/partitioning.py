@@ -399,12 +399,15 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
 
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                   kv_segment_ids, alibi_slopes, scale, lse, delta, d_o):
+                   kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre):
   # absent: ring_lib.unsupported
   del bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes
   operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
-  dq, dk, dv, dscale = ring_lib.backward(*operands, ring, _ring_scale(ring, scale))
+  # The centre is per query row, as delta: it travels with the query block.
+  centre = (_reorder(ring, dscale_centre, "dscale_centre", ring_lib.to_zigzag)
+            if ring.config.has(Flag.HAS_DSCALE) else None)
+  dq, dk, dv, dscale = ring_lib.backward(*operands, ring, _ring_scale(ring, scale), centre)
   dq, dk, dv = (_reorder(ring, g, slot, ring_lib.from_zigzag)
                 for g, slot in zip((dq, dk, dv), ("dq", "dk", "dv")))
   dscale = (absent("dscale", jnp.float32) if dscale is None else
@@ -430,10 +433,10 @@ def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segme
 
 
 def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids,
-              alibi_slopes, scale, lse, delta, d_o, config):
+              alibi_slopes, scale, lse, delta, d_o, dscale_centre, config):
   *grads, _workspace = kernels.backward_kernel_p.bind(
       q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes,
-      scale, lse, delta, d_o, config=config)
+      scale, lse, delta, d_o, dscale_centre, config=config)
   return tuple(grads)
 
 

@@ -342,11 +342,13 @@ def forward(q, k, v, ring: Ring, scale=None):
   return o, lse
 
 
-def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None):
+def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None):
   """(dq, dk, dv, dscale) of this device's blocks over the whole ring; ring.config is the
   backward's. With a scale operand (`scale`, as for forward), dq is the scaled query's, in float32
   (Flag.SCALE_OPERAND); dscale is the kernels' partial sums of its gradient per key row of the
-  local block (Flag.HAS_DSCALE), None without that flag."""
+  local block (Flag.HAS_DSCALE), None without that flag. `centre`: with Flag.HAS_DSCALE, the
+  dscale_centre operand of the local query block (its rows' mean logits over the whole ring,
+  laid out as delta), which each step's kernels read for their query rows as they read delta."""
   config = ring.config
   T, S = config.seq_dims[:2]
   layout = config.layout
@@ -373,6 +375,8 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None):
               kernels.backward_kernel_p.bind(
                   q_rows(q, "q"), k_rows, v_rows, *_optional_operands(q.dtype, scale),
                   q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
+                  (absent("dscale_centre", jnp.float32) if centre is None else
+                   q_rows(centre, "dscale_centre")),
                   config=ring.task_config(task)))
           f32 = lambda x: x.astype(jnp.float32)
           key_parts = dict(dk=dk_part, dv=dv_part, dscale=dscale_part)

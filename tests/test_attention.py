@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -535,7 +536,7 @@ def check_against_reference(case: Case, backend: str, device, request):
   """jaxflash's outputs and gradients for `case` on `backend` against the reference, with
   the baseline's error as the yardstick; the drop-in contract (shapes, dtypes, placement); and
   exact zeros for rows that see no key. A traced scale's gradient is checked last, after every
-  other result has passed: on CUDA it is a known failure (below)."""
+  other result has passed."""
   # Inputs, reference and baseline are made on the CPU; only ours runs on `backend`.
   inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
   static = case.static_kwargs()
@@ -598,14 +599,6 @@ def check_against_reference(case: Case, backend: str, device, request):
   assert_rows_zero(ours_grads["dq"], rows, "dq")
 
   if "dscale" in ref_grads:
-    if backend == "cuda":
-      # Seen on the H100 (2026-11-26, with the kernels' float32 sum): 10 of 60 cases over the
-      # bar, by 1.1-25x (bf16 80.0 vs 81.9, bar 0.45; tf32 -1424.25 vs -1423.91, bar 0.22).
-      _xfail_here(request, "Δ = rowsum(dO∘O) comes from the forward's O, whose P·V rounds P to "
-                  "the input dtype, so the kernel's rows of dS do not sum to 0 by ~2⁻⁹ of dO·O, "
-                  "and Σ dS∘(q·kᵀ) picks that up times each row's mean logit; the fix, the "
-                  "logits centred on their row mean Σ P∘(q·kᵀ), is for a later change "
-                  "(docs/DESIGN.md, A traced scale)")
     # dscale = Σ dS∘(q·kᵀ) over every logit, summed in float32 by the kernels (per key row or
     # key tile) and then by XLA; its accumulation noise is allowed for as that of a sum over q's
     # elements (Σ q∘dq, the formula it replaced, whose bar it met on the CPU).
@@ -721,3 +714,81 @@ def test_only_a_traced_scale_becomes_an_operand(backend):
     assert len(found) == 2 and not any(f & Flag.SCALE_OPERAND for f in found), found
   found = flags(lambda q, s: jaxflash.attention(q, q, q, scale=s), q, jnp.float32(0.3))
   assert len(found) == 2 and all(f & Flag.SCALE_OPERAND for f in found), found
+
+
+def test_dscale_centre_forward_only_when_differentiated(backend):
+  """The rows' centre of a traced scale's gradient (jaxflash/attention.py, _dscale_centre) costs
+  one more forward call, attention(q, k, v=k) in float32 without dropout, only when the scale
+  is differentiated (with a soft-cap too). The backward then carries HAS_DSCALE."""
+  q = jnp.ones((1, 8, 2, 16), jnp.float32)
+  rng = jax.random.key(0)
+
+  def flags(argnums, **kwargs):  # of every jaxflash call in the lowered gradient
+    f = lambda q, s: jnp.sum(jaxflash.attention(q, q, q, scale=s, **kwargs))
+    text = jax.jit(jax.grad(f, argnums=argnums)).lower(q, jnp.float32(0.3)).as_text()
+    return [int(f) for f in re.findall(r"flags = (\d+)", text)]
+
+  found = flags(0)  # q only: no dscale, no centre
+  assert len(found) == 2 and not any(f & Flag.HAS_DSCALE for f in found), found
+  for kwargs in (dict(dropout_rate=0.2, dropout_rng=rng), dict(logits_soft_cap=2.0)):
+    found = flags((0, 1), **kwargs)
+    assert len(found) == 3, (kwargs, found)
+    assert sum(bool(f & Flag.HAS_DSCALE) for f in found) == 1, (kwargs, found)
+    forwards = [f for f in found if not f & Flag.HAS_DSCALE]  # the training one's and the centre's
+    assert all(f & Flag.OUTPUT_F32 and f & Flag.SCALE_OPERAND for f in forwards), (kwargs, found)
+    assert sum(bool(f & Flag.DROPOUT) for f in forwards) == ("dropout_rate" in kwargs), (kwargs, found)
+
+
+@pytest.mark.parametrize("soft_cap", (None, 2.0), ids=("plain", "softcap"))
+@pytest.mark.parametrize("return_residual", (False, True), ids=("out", "out_and_lse"))
+def test_dscale_centre_takes_out_the_delta_residue(monkeypatch, return_residual, soft_cap, backend):
+  """The mechanism of the centre, on any backend: a residue δᵢ added to each row's Δ (what the
+  forward's rounding of P leaves there on CUDA, made large here) moves the uncentred dscale by
+  −Σᵢ δᵢ·(the row's P-mean of ∂logit/∂scale), the centred one only by δ times the centre's own
+  error: its rounding without a soft-cap, with one the distance of f(E) (_dscale_centre) from that
+  mean. Unperturbed, the centre changes nothing (against a float32 XLA reference); with a
+  differentiated lse (each row of dS then sums to its cotangent) that needs the centre's share
+  Σ C·dlse added back. GQA, a bias and causal masking, so that E has every part of the call's P."""
+  attention_lib = sys.modules["jaxflash.attention"]  # (jaxflash.attention is the function)
+  keys = jax.random.split(jax.random.key(3), 5)
+  B, T, S, N, K, H = 2, 37, 53, 4, 2, 32
+  q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+  k = jax.random.normal(keys[1], (B, S, K, H), jnp.float32) + 0.5  # mean logits far from 0
+  v = jax.random.normal(keys[2], (B, S, K, H), jnp.float32)
+  bias = jax.random.normal(keys[3], (1, N, T, S), jnp.float32)
+  ct = jax.random.normal(keys[4], (B, T, N, H), jnp.float32)
+  ct_lse = jnp.linspace(-1.0, 1.0, B * T * N, dtype=jnp.float32).reshape(B, T, N)
+  kwargs = dict(is_causal=True, logits_soft_cap=soft_cap)
+
+  def loss(attention, scale):
+    out, lse = attention(q, k, v, bias, scale=scale, return_residual=True, **kwargs)
+    return jnp.sum(out * ct) + (jnp.sum(lse * ct_lse) if return_residual else 0.0)
+
+  def dscale(attention=jaxflash.attention):
+    return float(jax.jit(jax.grad(functools.partial(loss, attention)))(jnp.float32(0.4)))
+
+  def xla_attention(q, k, v, bias, *, scale, soft_cap=None, **_):
+    qk = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N // K, axis=2),
+                    precision=jax.lax.Precision.HIGHEST)
+    logits = scale * qk if soft_cap is None else soft_cap * jnp.tanh(scale * qk / soft_cap)
+    logits = jnp.where(jnp.arange(S) <= jnp.arange(T)[:, None], logits + bias, -jnp.inf)
+    out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1),
+                     jnp.repeat(v, N // K, axis=2), precision=jax.lax.Precision.HIGHEST)
+    return out, jnp.moveaxis(jax.nn.logsumexp(logits, axis=-1), 1, 2)
+
+  exact = dscale()
+  expected = dscale(functools.partial(xla_attention, soft_cap=soft_cap))
+  assert abs(exact - expected) <= 1e-4 * max(1.0, abs(expected)), (exact, expected)
+  delta = attention_lib._delta
+  monkeypatch.setattr(attention_lib, "_delta", lambda *a: delta(*a) + 0.05)
+  centred = dscale()
+  monkeypatch.setattr(attention_lib, "_dscale_centre",
+                      lambda q, *_: jnp.zeros(q.shape[:-1], jnp.float32))
+  uncentred = dscale()
+  # δ = 0.05 on each of B·T·N rows whose mean logits are several units: the uncentred sum
+  # moves by tens.
+  assert abs(uncentred - exact) > 1.0, (uncentred, exact)
+  if soft_cap is None:
+    assert abs(centred - exact) <= 1e-4 * max(1.0, abs(exact)) + 1e-3, (centred, exact)
+  else:
+    assert abs(centred - exact) <= 0.5 * abs(uncentred - exact), (centred, uncentred, exact)

@@ -608,7 +608,7 @@ def test_diagonal_offset_places_blocks_in_one_sequence(q_start, k_start, window,
         config=config.replace(flags=config.flags | Flag.OUTPUT_F32))
     delta = _delta(d_o, o32, config)
     dq, dk, dv, *_ = kernels.backward_kernel_p.bind(
-        q, k, v, *absent_operands(q.dtype), lse, delta, d_o,
+        q, k, v, *absent_operands(q.dtype), lse, delta, d_o, absent("dscale_centre", q.dtype),
         config=config.with_layouts(_gradient_layouts(config)))
     return o32.astype(q.dtype), dict(dq=dq, dk=dk, dv=dv)
 

@@ -5,8 +5,9 @@
 //   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse (an input)
 //   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
 //   dalibi[t] = -Σ_s dS·|s - t - offset|   (ALiBi: the slope's gradient, per query row)
-//   dscale[s] = Σ_t dS·(q·k)               (a traced scale's gradient, per key row; dS of the
-//                                           scaled product, soft-cap slope included)
+//   dscale[s] = Σ_t dS·(∂logit/∂scale - C_t) (a traced scale's gradient, per key row: dS of the
+//                                           logits times the soft-cap's slope times q·k, less
+//                                           dS times the row's centre C, dscale_centre: params.h)
 //
 // With dropout (keep mask Z, regenerated from the seed, kept entries scaled by
 // c = 1 / (1 - rate)) the output used P∘Z·c, so dV = c·(P∘Z)ᵀ·dO and dP is
@@ -30,15 +31,15 @@ namespace {
 
 // One Q tile's inputs to the gradient: q (pre-scaled by its instance's scale·log2e), dO, and per
 // row the lse in base 2 as two floats (params.h) and Δ (computed by XLA from the float32
-// output). With `raw`, also q as it is, for dscale's q·k: from the pre-scaled q it would take a
-// division by the scale, which may be 0.
+// output). With `raw`, also q as it is, for dscale's q·k (from the pre-scaled q it would take a
+// division by the scale, which may be 0), and each row's centre C (dscale_centre).
 struct QTile {
-  std::vector<float> q, q_raw, d_o, lse_hi, lse_lo, delta;
+  std::vector<float> q, q_raw, d_o, lse_hi, lse_lo, delta, centre;
   int64_t rows = 0;
   int64_t ld, d_o_ld;  // padded row lengths of q (head_dim) and d_o (value_head_dim)
   QTile(const AttentionParams& p, bool raw)
       : q(kBlockQ * round_up_vec(p.head_dim)), q_raw(raw ? q.size() : 0), d_o(kBlockQ * round_up_vec(p.value_head_dim)),
-        lse_hi(kBlockQ), lse_lo(kBlockQ), delta(kBlockQ), ld(round_up_vec(p.head_dim)),
+        lse_hi(kBlockQ), lse_lo(kBlockQ), delta(kBlockQ), centre(raw ? kBlockQ : 0), ld(round_up_vec(p.head_dim)),
         d_o_ld(round_up_vec(p.value_head_dim)) {}
 };
 
@@ -60,6 +61,10 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
     tile.lse_lo[i] = lse[i * p.lse.row_stride + p.lse.col_stride];
     tile.delta[i] = delta[i * p.delta.row_stride];
   }
+  if (tile.centre.empty()) return;
+  const float* centre =
+      element<float>(p.dscale_centre, instance_offset(p, p.dscale_centre, inst) + t0 * p.dscale_centre.row_stride);
+  for (int64_t i = 0; i < rows; ++i) tile.centre[i] = centre[i * p.dscale_centre.row_stride];
 }
 
 // From a Q tile and a K/V tile (kt, vt transposed): s ← P (P∘Z with dropout), dp ← dS of the
@@ -138,14 +143,18 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
       load_q_tile<T>(p, inst, t0, rows, tile);
       probabilities_and_dscores(p, bounds, logits_in, dropout, tile, t0, s0, live_cols, kt.data(),
                                 vt.data(), s.data(), dp.data(), cap_slope.data());
+      if (want_dscale) {  // Σ_t dS·(slope·q·k - C_t), dS of the logits, in float32 (params.h, dscale)
+        matmul(tile.q_raw.data(), tile.ld, kt.data(), kBlockK, tile.rows, live_cols, H, qk.data(), kBlockK);
+        const bool capped = p.softcap > 0.f;
+        for (int64_t i = 0; i < tile.rows; ++i)
+          for (int64_t j = 0; j < live_cols; ++j) {
+            const int64_t e = i * kBlockK + j;
+            dscale[j] += dp[e] * ((capped ? cap_slope[e] * qk[e] : qk[e]) - tile.centre[i]);
+          }
+      }
       apply_cap_slope(p, tile.rows, live_cols, cap_slope.data(), dp.data());
       matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hvp, tile.rows, Hv, live_cols, dv.data(), Hvp);
       matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), Hp, tile.rows, H, live_cols, dk.data(), Hp);
-      if (want_dscale) {  // Σ_t dS∘(q·k), both in float32 (params.h, dscale)
-        matmul(tile.q_raw.data(), tile.ld, kt.data(), kBlockK, tile.rows, live_cols, H, qk.data(), kBlockK);
-        for (int64_t i = 0; i < tile.rows; ++i)
-          for (int64_t j = 0; j < live_cols; ++j) dscale[j] += dp[i * kBlockK + j] * qk[i * kBlockK + j];
-      }
     }
   }
   // kept's own instance has index 0 on the reduced axes, where dk/dv strides are 0.

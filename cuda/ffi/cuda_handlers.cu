@@ -65,7 +65,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lens, ffi::AnyBuffer kv_lens,
                          ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                          ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
-                         ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o,
+                         ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o, ffi::AnyBuffer dscale_centre,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                          ffi::Result<ffi::AnyBuffer> dalibi, ffi::Result<ffi::AnyBuffer> dscale,
@@ -73,7 +73,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   AttentionParams p;
   if (auto e = decode_backward(
           p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, lse,
-          delta, d_o, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
+          delta, d_o, dscale_centre, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
       e.failure())
     return e;
   if (auto e = refuse_cpu_only(p); e.failure()) return e;

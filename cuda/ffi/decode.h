@@ -31,14 +31,14 @@ namespace ffi = xla::ffi;
 // Slot order of the "strides" attribute; jaxflash/contract.py lists the same (SLOTS).
 enum Slot : int {
   kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed,
-  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kScale, kDscale, kSlots
+  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kScale, kDscale, kDscaleCentre, kSlots
 };
 
 inline const char* slot_name(int slot) {
   static const char* names[kSlots] = {"q",    "k",     "v",    "bias", "mask",          "q_lens",
                                       "kv_lens", "o",   "lse",  "d_o",  "delta",         "dq",
                                       "dk",   "dv",    "dbias", "seed", "q_segment_ids", "kv_segment_ids",
-                                      "alibi_slopes", "dalibi", "scale", "dscale"};
+                                      "alibi_slopes", "dalibi", "scale", "dscale", "dscale_centre"};
   return names[slot];
 }
 
@@ -90,7 +90,7 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
   ArrayView* views[kSlots] = {&p.q,    &p.k,     &p.v,    &p.bias, &p.mask,          &p.q_lens,
                               &p.kv_lens, &p.o,   &p.lse,  &p.d_o,  &p.delta,         &p.dq,
                               &p.dk,   &p.dv,    &p.dbias, &p.seed, &p.q_segment_ids, &p.kv_segment_ids,
-                              &p.alibi_slopes, &p.dalibi, &p.scale_operand, &p.dscale};
+                              &p.alibi_slopes, &p.dalibi, &p.scale_operand, &p.dscale, &p.dscale_centre};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -106,7 +106,7 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
 inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64_t& cols) {
   switch (slot) {
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
-    case kLse: case kDelta: case kDalibi: rows = p.seqlen_q; cols = 1; return;
+    case kLse: case kDelta: case kDalibi: case kDscaleCentre: rows = p.seqlen_q; cols = 1; return;
     case kQLens: case kKvLens: case kAlibiSlopes: case kScale: rows = 1; cols = 1; return;
     case kSeed: rows = 1; cols = 2; return;
     case kQSegmentIds: rows = p.seqlen_q; cols = 1; return;
@@ -247,7 +247,7 @@ inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& 
 }
 
 inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
-                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
+                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dscale_centre, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
                                   ffi::AnyBuffer& dbias, ffi::AnyBuffer& dalibi, ffi::AnyBuffer& dscale,
                                   const LayoutAttrs& attrs) {
   if (auto e = decode_inputs(p, in, attrs); e.failure()) return e;
@@ -269,12 +269,15 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
     return ffi::Error::InvalidArgument("jaxflash: dscale asked for without a scale operand");
   if (auto e = attach_optional(p, kHasDscale, kDscale, p.dscale, dscale, ffi::DataType::F32); e.failure())
     return e;
+  if (auto e = attach_optional(p, kHasDscale, kDscaleCentre, p.dscale_centre, dscale_centre, ffi::DataType::F32);
+      e.failure())
+    return e;
   return check_gradient_layouts(p);
 }
 
 // The FFI signatures, after each platform's context (thread pool or stream).
 // Forward: inputs, then results o, lse, workspace. Backward: inputs, lse, delta,
-// d_o, then results dq, dk, dv, dbias, dalibi, dscale, workspace. Both end with the layout attributes.
+// d_o, dscale_centre, then results dq, dk, dv, dbias, dalibi, dscale, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
 auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids, slopes, scale
@@ -311,6 +314,7 @@ auto bind_backward(Binding&& binding) {
                              .template Arg<ffi::AnyBuffer>()   // lse
                              .template Arg<ffi::AnyBuffer>()   // delta
                              .template Arg<ffi::AnyBuffer>()   // d_o
+                             .template Arg<ffi::AnyBuffer>()   // dscale_centre
                              .template Ret<ffi::AnyBuffer>()   // dq
                              .template Ret<ffi::AnyBuffer>()   // dk
                              .template Ret<ffi::AnyBuffer>()   // dv

@@ -201,7 +201,8 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
       (p.has(kHasQLens) && !p.q_lens.data) || (p.has(kHasKvLens) && !p.kv_lens.data) ||
       (p.has(kDropout) && !p.seed.data) ||
       (rows && keys && p.has(kHasSegmentIds) && (!p.q_segment_ids.data || !p.kv_segment_ids.data)) ||
-      (p.has(kHasDscale) && (!p.has(kScaleOperand) || (keys && !p.dscale.data))))
+      (p.has(kHasDscale) && (!p.has(kScaleOperand) || (keys && !p.dscale.data) ||
+                             (rows && keys && !p.dscale_centre.data))))
     return cudaErrorInvalidValue;
   // One writer per output element: dq is per instance; dk, dv and dscale are shared
   // along the same axes (the ones a CTA loops over).

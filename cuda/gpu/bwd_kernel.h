@@ -6,8 +6,9 @@
 //   S, dP -> P, dS (registers, then shared memory as T)
 //   dV += P^T dO,  dK += dS^T Q
 //   dQ(tile) += dS K   into the fp32 workspace
-//   dscale += Σ dS o S  (a traced scale's gradient, general variant: from float32 dS and a
-//                        second S = Q K^T; one sum per CTA, bwd_key_tile.h's store_dscale)
+//   dscale += Σ dS o (S - E)  (a traced scale's gradient, general variant: from float32 dS and
+//                        a second S = Q K^T, centred on the rows' dscale_centre E; one sum per
+//                        CTA, bwd_key_tile.h's store_dscale)
 //
 // dQ goes into the fp32 workspace in a fixed order, so the result is bitwise
 // reproducible: bwd_dq.h has the protocol (shared with bwd_sm90_kernel.h).
@@ -166,11 +167,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
       {
         float pr[Cfg::kSMF][Cfg::kSNF][4], ds[Cfg::kSMF][Cfg::kSNF][4];
+        float logit_rows[Cfg::kSMF][2];  // the soft-cap copy's rows of dS of the logits (dscale_share)
         const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
         in.segment_test = ids && rt.segments.needs_test(linear, i, key_tile);
-        probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane);
+        probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane,
+                               Cfg::kSoftcap && want_dscale ? logit_rows : nullptr);
         store_frags<T>(sP, pr, s_row0, s_col0, 1.f, lane);
-        if (want_dscale) dscale += dscale_share<Cfg>(pr, ds, sQ, sK, s_row0, s_col0, lane);
+        if (want_dscale) {
+          // The instance's rows of dscale_centre, formed here from `linear` rather than held through
+          // the Q-tile loop (a pointer's registers there cost the segment-id copy spills): a few
+          // divisions per tile pair, in calls that differentiate a traced scale only.
+          const float* centre =
+              static_cast<const float*>(p.dscale_centre.data) + instance_offset(p, p.dscale_centre, linear);
+          dscale += dscale_share<Cfg>(pr, ds, logit_rows, rt.softcap2 > 0.f, p, centre, m0, sQ, sK, s_row0, s_col0,
+                                      lane);
+        }
         store_frags<T>(sdS, ds, s_row0, s_col0, 1.f, lane);
       }
       __syncthreads();

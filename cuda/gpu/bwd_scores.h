@@ -62,7 +62,9 @@ __device__ __forceinline__ bool tile_pair_full(const AttentionParams& p, const I
 // pr <- P, ds <- dS for the warp block at (row0, col0) of the tile pair (m0, n0),
 // in fp32. sQ / sdO hold rows m0.., sK / sV keys n0...
 // dS is that of Q K^T (what dQ and dK need), or with kDsOfLogits that of the
-// logits (dbias's): they differ under a soft-cap, by its slope 1 - tanh^2.
+// logits (dbias's): they differ under a soft-cap, by its slope 1 - tanh^2. In the soft-cap
+// copy, with the cap on, logit_rows (when given) <- each fragment row's sum of dS of the
+// logits over the warp block's keys, which dscale_share's centre multiplies.
 template <class Cfg, bool kDsOfLogits = false>
 __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kSNF][4],
                                                   float (&ds)[Cfg::kSMF][Cfg::kSNF][4], const AttentionParams& p,
@@ -70,7 +72,8 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
                                                   const ScoreInputs& in, int64_t m0, int64_t n0, bool full,
                                                   const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK,
                                                   const typename Cfg::QTile& sdO, const typename Cfg::KTile& sV,
-                                                  int row0, int col0, int lane) {
+                                                  int row0, int col0, int lane,
+                                                  float (*logit_rows)[2] = nullptr) {
   using T = typename Cfg::T;
   constexpr int MF = Cfg::kSMF, NF = Cfg::kSNF, D = Cfg::kHeadDim;
 
@@ -176,6 +179,17 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   auto apply_slope = [&] {  // dS of the logits -> dS of Q K^T
     if constexpr (kSlope) {
       if (!(rt.softcap2 > 0.f)) return;  // the copy also runs ALiBi with ids, uncapped
+      if (logit_rows != nullptr) {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float sum = 0.f;
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) sum += ds[mf][nf][2 * h] + ds[mf][nf][2 * h + 1];
+            logit_rows[mf][h] = sum;
+          }
+      }
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -210,14 +224,24 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   apply_slope();
 }
 
-// A traced scale's gradient (kHasDscale, params.h): this lane's share of Σ dS∘(Q Kᵀ) over its
-// warp block, both factors in float32 (dS as probs_and_dscores left it, before any rounding to
-// T). Q Kᵀ is recomputed into `qk`, P's registers once P is in shared memory: kept from
-// probs_and_dscores instead, it would hold a register per score through the dP GEMM, where the
-// general variant's registers peak.
+// A traced scale's gradient (kHasDscale, params.h): this lane's share of its warp block's
+// Σ dS·(∂logit/∂scale - C) = Σ dS_qk∘(Q Kᵀ) - Σ_rows C·Σ dS, dS that of the logits and dS_qk that of
+// Q Kᵀ (the soft-cap's slope times it; equal without a cap), both factors in float32 (dS as
+// probs_and_dscores left it, before any rounding to T), C each row's centre (dscale_centre, formed
+// by XLA), which keeps the kernel's residue in each row's Σ dS (delta's rounding) from being
+// multiplied by the row's mean logit. Exact for any C: each row of dS sums to the lse's cotangent,
+// which Python's sum takes back. Q Kᵀ is recomputed into `qk`, P's registers once P is in shared
+// memory: kept from probs_and_dscores instead, it would hold a register per score through the dP
+// GEMM, where the general variant's registers peak. C is read here from global memory (`centre`:
+// the instance's rows), not with delta's row statistics, which would hold its registers through
+// both of probs_and_dscores's GEMMs. Rows past T read row T - 1 (their dS is 0). `capped`: the
+// soft-cap copy with the cap on, whose ds is dS_qk and whose rows' Σ dS (of the logits) are
+// `logit_rows` (probs_and_dscores); elsewhere ds is both.
 template <class Cfg>
 __device__ __forceinline__ float dscale_share(float (&qk)[Cfg::kSMF][Cfg::kSNF][4],
                                               const float (&ds)[Cfg::kSMF][Cfg::kSNF][4],
+                                              const float (&logit_rows)[Cfg::kSMF][2], bool capped,
+                                              const AttentionParams& p, const float* centre, int64_t m0,
                                               const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK, int row0,
                                               int col0, int lane) {
   zero_frags(qk);
@@ -226,9 +250,22 @@ __device__ __forceinline__ float dscale_share(float (&qk)[Cfg::kSMF][Cfg::kSNF][
 #pragma unroll
   for (int mf = 0; mf < Cfg::kSMF; ++mf)
 #pragma unroll
-    for (int nf = 0; nf < Cfg::kSNF; ++nf)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = min(m0 + row0 + frag_row(mf, 2 * h, lane), p.seqlen_q - 1);
+      const float c = __ldg(centre + t * p.dscale_centre.row_stride);
+      if (Cfg::kSoftcap && capped) {
+        share = fmaf(-c, logit_rows[mf][h], share);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) share = fmaf(ds[mf][nf][i], qk[mf][nf][i], share);
+        for (int nf = 0; nf < Cfg::kSNF; ++nf)
+#pragma unroll
+          for (int i = 2 * h; i < 2 * h + 2; ++i) share = fmaf(ds[mf][nf][i], qk[mf][nf][i], share);
+      } else {
+#pragma unroll
+        for (int nf = 0; nf < Cfg::kSNF; ++nf)
+#pragma unroll
+          for (int i = 2 * h; i < 2 * h + 2; ++i) share = fmaf(ds[mf][nf][i], qk[mf][nf][i] - c, share);
+      }
+    }
   return share;
 }
 

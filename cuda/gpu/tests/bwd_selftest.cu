@@ -8,7 +8,8 @@
 // ALiBi (alone, together, with ids), dlse, unaligned rows, every
 // padded head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
 // held to fp32 accuracy), a traced scale (the scale operand: dq of the scaled query in
-// float32, and dscale's partial sums against Σ dS·(q·k) per kv instance); then bitwise
+// float32, and dscale's partial sums, centred on the host's fp64 dscale_centre, plus the
+// centre's Σ C·dlse, against Σ dS·(q·k) per kv instance); then bitwise
 // determinism at a larger size.
 // o and lse come from the reference (fp64, rounded to the kernel's inputs), so
 // the test does not depend on the forward kernel. Like the FFI handler, every
@@ -98,13 +99,17 @@ struct Problem {
   HostArray q, k, v, o, d_o;
   std::vector<double> o_exact;               // the output before rounding
   std::vector<float> lse, dlse, delta_in;    // delta_in: rowsum(dO o O_exact) - dlse, BNT; lse BNT x (hi, lo)
+  // A traced scale's dscale_centre, BNT: each row's mean q.k under P, in fp64 then rounded (what
+  // jaxflash/attention.py forms with a forward call), under a soft-cap times the cap's slope at it.
+  std::vector<float> centre;
   HostArray bias;
   std::vector<uint8_t> mask;
   std::vector<int32_t> q_lens, kv_lens;
   std::vector<int32_t> q_ids, kv_ids;  // segment ids, (B, T) and (B, S); empty without them
   size_t bias_n = 0, dbias_n = 0;
   std::vector<float> slopes;  // ALiBi, one per query head; empty without it
-  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens, d_ids, d_slopes, d_scale;
+  std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens, d_ids, d_slopes, d_scale,
+      d_centre;
   std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_dscale, d_ws;
 
   size_t q_index(int b, int n, int t, int h) const {
@@ -221,6 +226,7 @@ struct Problem {
       for (auto& x : dlse) x = unif(rng);
     o_exact.assign(o.size(), 0.0);
     delta_in.assign(size_t(B) * N * T, 0.f);
+    centre.assign(c.traced_scale ? size_t(B) * N * T : 0, 0.f);
     std::vector<double> prob(S);
     for (int b = 0; b < B; ++b)
       for (int n = 0; n < N; ++n) {
@@ -242,16 +248,29 @@ struct Problem {
           double delta = -dlse[row_index(b, n, t)];
           for (int h = 0; h < H; ++h) delta += d_o.val[q_index(b, n, t, h)] * o_exact[q_index(b, n, t, h)];
           delta_in[row_index(b, n, t)] = static_cast<float>(delta);
+          if (c.traced_scale) {
+            double e = 0;
+            for (int s = 0; s < S; ++s)
+              if (prob[s] != 0) e += prob[s] * qk_dot(b, n, t, s);
+            if (c.softcap != 0.f) {  // the mean moved inside the cap's slope, as attention.py
+              const double th = std::tanh(p.scale * e / c.softcap);
+              e *= 1.0 - th * th;
+            }
+            centre[row_index(b, n, t)] = static_cast<float>(e);
+          }
         }
       }
   }
 
   // scale q.k of (b, n, t, s), soft-capped (params.h), and the derivative of that capped
   // logit with respect to scale q.k (1 without a cap).
-  double capped_logit(int b, int n, int t, int s, double* slope = nullptr) const {
+  double qk_dot(int b, int n, int t, int s) const {
     double dot = 0;
     for (int h = 0; h < c.H; ++h) dot += q.val[q_index(b, n, t, h)] * k.val[kv_index(b, n / G, s, h)];
-    const double x = p.scale * dot;
+    return dot;
+  }
+  double capped_logit(int b, int n, int t, int s, double* slope = nullptr) const {
+    const double x = p.scale * qk_dot(b, n, t, s);
     if (c.softcap == 0.f) {
       if (slope) *slope = 1.0;
       return x;
@@ -344,6 +363,8 @@ struct Problem {
       set_view(p.scale_operand, d_scale->ptr, 0, 0, 0, 0, 0);
       d_dscale = std::make_unique<DeviceBuffer>(size_t(B) * S * K * 4);
       set_view(p.dscale, d_dscale->ptr, int64_t(S) * K, 1, 0, K, 0);
+      d_centre = std::make_unique<DeviceBuffer>(centre.data(), centre.size() * 4);  // delta's layout
+      set_view(p.dscale_centre, d_centre->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
     }
     if (dbias_n) {
       p.flags |= jaxflash::kHasDbias;
@@ -487,7 +508,9 @@ bool run_case(const Case& c, std::mt19937& rng) {
   for (size_t i = 0; i < pr.dbias_n; ++i) e_db.add(dbias.get(i), rdbias[i]);
   // dscale: only its sum over the rows is defined (params.h); every row must be written (finite). Its
   // error is held to the size of the terms the sum cancels from: from float32 dS, float32 accuracy
-  // (tf32's products: their rounding of q·k).
+  // (tf32's products: their rounding of q·k). The kernel sums dS·(q·k - E) (dscale_centre); each
+  // row of dS sums to dlse, so Σ E·dlse over the group's rows is added back, as
+  // jaxflash/attention.py does, and the raw Σ dS·(q·k) is what is checked.
   double dscale_err = 0;
   int64_t dscale_bad = 0;
   for (int b = 0; c.traced_scale && b < B; ++b)
@@ -498,6 +521,11 @@ bool run_case(const Case& c, std::mt19937& rng) {
         dscale_bad += !std::isfinite(x);
         sum += x;
       }
+      for (int g = 0; g < pr.G; ++g)
+        for (int t = 0; t < c.T; ++t) {
+          const size_t row = pr.row_index(b, kh * pr.G + g, t);
+          sum += double(pr.centre[row]) * pr.dlse[row];
+        }
       const size_t i = size_t(b) * K + kh;
       dscale_err = std::max(dscale_err, std::fabs(sum - rdscale[i]) / std::max(dscale_terms[i], 1e-3));
     }
@@ -745,10 +773,15 @@ int main(int argc, char** argv) {
       // instance that sees no key, bias + dbias + mask, a window, a negative scale, tf32 and 3xTF32.
       traced({"bf16 GQA N8 K2 causal lens T100 S150 H128", bf16, 3, 8, 2, 100, 150, 128, kUnb, 0, false,
               Bias::kNone, false, Mask::kNone, true}),
-      traced({"f16 bias (N,T,S) + dbias + mask T90 S70 H64 scale -0.3", f16, 2, 2, 2, 90, 70, 64, kUnb, kUnb,
-              false, Bias::kHeads, true, Mask::kRandom, false, false, Layout::kBTNH, -0.3f}),
+      traced({"f16 bias (N,T,S) + dbias + mask + dlse T90 S70 H64 scale -0.3", f16, 2, 2, 2, 90, 70, 64, kUnb, kUnb,
+              false, Bias::kHeads, true, Mask::kRandom, false, true, Layout::kBTNH, -0.3f}),
       traced({"f32 window (10, 3) T150 S150 H96", f32, 1, 2, 1, 150, 150, 96, 10, 3}),
       traced(exact({"f32 T77 S130 H72 causal GQA", f32, 2, 4, 2, 77, 130, 72, kUnb, 0})),
+      // The soft-cap copy's centre, taken with dS of the logits (dscale_share), and the lse's
+      // cotangent that the centre's share is added back for.
+      traced(with_softcap({"bf16 softcap 3 + dlse GQA T100 S150 H64", bf16, 2, 4, 2, 100, 150, 64, kUnb, kUnb, false,
+                           Bias::kNone, false, Mask::kNone, false, true},
+                          3.f)),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
