@@ -758,7 +758,9 @@ def test_dscale_centre_takes_out_the_delta_residue(monkeypatch, return_residual,
   bias = jax.random.normal(keys[3], (1, N, T, S), jnp.float32)
   ct = jax.random.normal(keys[4], (B, T, N, H), jnp.float32)
   ct_lse = jnp.linspace(-1.0, 1.0, B * T * N, dtype=jnp.float32).reshape(B, T, N)
-  kwargs = dict(is_causal=True, logits_soft_cap=soft_cap)
+  # precision="highest": float32-exact products on CUDA too (3xTF32; its default tf32 moves dscale
+  # by ~0.3% here, seen on the H100), so that the checks below see the centre's mechanism alone.
+  kwargs = dict(is_causal=True, logits_soft_cap=soft_cap, precision="highest")
 
   def loss(attention, scale):
     out, lse = attention(q, k, v, bias, scale=scale, return_residual=True, **kwargs)
