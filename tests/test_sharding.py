@@ -471,6 +471,10 @@ RING_CASES = {
                                      order="contiguous", lengths=True),
     "lengths_segment_ids_causal_zigzag": dict(is_causal=True, order="zigzag", lengths=True,
                                               segments=True),
+    # A traced scale's gradient centres on each row's mean logit, a ring forward of its own
+    # (attention.py, _ring_dscale_centre), which must see the call's ids and lengths too.
+    "lengths_segment_ids_traced_scale": dict(is_causal=True, order="zigzag", lengths=True,
+                                             segments=True, traced_scale=0.45),
 }
 
 
