@@ -338,14 +338,8 @@ def _scale_gradient(dscale_parts, scale, centre=None, d_lse=None):
   if centre is not None and d_lse is not None and not isinstance(d_lse, SymbolicZero):
     dscale = dscale + jnp.sum(centre * d_lse.astype(jnp.float32))
   dscale = jnp.reshape(dscale, (1,))
-  summed_axes = tuple(sorted(_varying_axes(dscale) - _varying_axes(scale)))
+  summed_axes = tuple(sorted(ring_lib.varying_axes(dscale) - ring_lib.varying_axes(scale)))
   return jax.lax.psum(dscale, summed_axes) if summed_axes else dscale
-
-
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes (inside shard_map) that x's value varies over; empty outside."""
-  manual = getattr(jax.typeof(x), "manual_axis_type", None)
-  return frozenset(manual.varying) if manual is not None and manual.varying else frozenset()
 
 
 def _gradient_layouts(config: KernelConfig) -> dict[str, Layout]:

@@ -213,7 +213,8 @@ class Ring:
     piece, the zig-zag order's two chunks."""
     if self.order == "zigzag":
       c = rows // 2
-      return [(0, device * c, c), (c, (2 * self.size - 1 - device) * c, c)]
+      first, second = _zigzag_chunks(device, self.size)
+      return [(0, first * c, c), (c, second * c, c)]
     return [(0, device * rows, rows)]
 
   def local_length(self, length, device, rows: int, start: int, size: int):
@@ -266,11 +267,16 @@ class Ring:
     return lax.cond(src_is_earlier, fn(earlier), fn(later), *operands)
 
 
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside shard_map) that x's value varies over; empty outside."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(manual.varying) if manual is not None and manual.varying else frozenset()
+
+
 def _varying_like(tree, like):
   """tree's arrays typed as varying over the manual mesh axes (shard_map's) that `like` varies
   over: the branches of a lax.cond must agree, and zeros made inside one vary over none."""
-  mat = getattr(jax.typeof(like), "manual_axis_type", None)
-  axes = tuple(sorted(mat.varying)) if mat is not None else ()
+  axes = tuple(sorted(varying_axes(like)))
   if not axes:
     return tree
   return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
@@ -491,6 +497,12 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None,
 
 # ---------------------------------------------------------------- zig-zag order
 
+def _zigzag_chunks(device, n: int):
+  """The two chunks of 2n that `device` (an int, or a traced axis index) holds in the zig-zag
+  order, first and second in its block: i and 2n - 1 - i."""
+  return device, 2 * n - 1 - device
+
+
 def _zigzag_destinations(n: int) -> tuple[list[int], list[int]]:
   """Where chunks 2i and 2i + 1 (device i's halves in the contiguous order) go."""
   home = lambda m: m if m < n else 2 * n - 1 - m
@@ -534,5 +546,5 @@ def zigzag_order(seq_len: int, num_shards: int):
     raise ValueError(f"jaxflash.zigzag_order: seq_len must be a multiple of 2 * num_shards = "
                      f"{2 * num_shards}, got {seq_len}")
   c = seq_len // (2 * num_shards)
-  chunks = [chunk for i in range(num_shards) for chunk in (i, 2 * num_shards - 1 - i)]
+  chunks = [chunk for i in range(num_shards) for chunk in _zigzag_chunks(i, num_shards)]
   return jnp.concatenate([jnp.arange(m * c, (m + 1) * c) for m in chunks])
