@@ -23,6 +23,9 @@ namespace jaxflash {
 // three remain (batch, kv-head, group); eight leaves room for nested vmaps.
 constexpr int kMaxInstanceDims = 8;
 
+// The kernels' exponent base is 2: log2(e) turns a natural logit into base-2 units.
+constexpr float kLog2e = 1.4426950408889634f;
+
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Bytes per element; 0 for a value outside the enum (a decoding error).

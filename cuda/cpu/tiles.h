@@ -26,7 +26,6 @@ namespace jaxflash::cpu {
 constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 64;
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

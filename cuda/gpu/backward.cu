@@ -32,7 +32,6 @@ cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime&
 
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kPassThreads = 256;  // per CTA of the pre / post passes
 
 template <class T>

@@ -176,7 +176,6 @@ struct BwdRuntime {
 // first instance it sums over: the scale is the same along the axes dk, dv and dbias sum over
 // (check_gradient_layouts in decode.h). dq's factor is the postpass's, 1 then (params.h).
 __device__ __forceinline__ BwdRuntime with_scale_operand(const AttentionParams& p, BwdRuntime rt, int64_t linear) {
-  constexpr float kLog2e = 1.4426950408889634f;
   if (p.has(kScaleOperand)) {
     rt.scale = instance_scale(p, linear);
     rt.score_mul = rt.scale * kLog2e;

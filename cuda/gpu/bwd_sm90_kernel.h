@@ -318,7 +318,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float* lse2_rows = rt.lse2 + linear * rt.t_pad;
     const float* delta_rows = rt.delta + linear * rt.t_pad;
     const uint32_t* seed = Cfg::kDropout ? inst.origin<const uint32_t>(p, p.seed) : nullptr;
-    constexpr float kLog2e = 1.4426950408889634f;
     const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
     // Segment ids (kScoreMods): the queries', and the lane's two key rows' (keys past S
     // are masked by position).

@@ -204,7 +204,6 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
       (p.has(kHasSegmentIds) && any_key && (p.q_segment_ids.data == nullptr || p.kv_segment_ids.data == nullptr)))
     return cudaErrorInvalidValue;
 
-  constexpr float kLog2e = 1.4426950408889634f;
   FwdRuntime rt;
   rt.score_mul = p.scale * kLog2e;
   // The unfolded path takes the running max of raw scores, which commutes

@@ -124,7 +124,6 @@ struct FwdRuntime {
 // cannot read without synchronising; the launcher folds the scale then, fold_scale, so score_mul
 // is all it reads).
 __device__ __forceinline__ FwdRuntime with_scale_operand(const AttentionParams& p, FwdRuntime rt, int64_t linear) {
-  constexpr float kLog2e = 1.4426950408889634f;
   if (p.has(kScaleOperand)) rt.score_mul = instance_scale(p, linear) * kLog2e;
   return rt;
 }

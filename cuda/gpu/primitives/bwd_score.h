@@ -86,7 +86,6 @@ __device__ __forceinline__ void bwd_for_each_element(const U* base, int64_t row_
 template <bool kUnitCol, class BiasT, int MF, int NF>
 __device__ __forceinline__ void bwd_add_bias(float (&s)[MF][NF][4], const BiasT* bias, int64_t row_stride,
                                              int64_t col_stride, const ScoreBlock& blk, float mul, int lane) {
-  constexpr float kLog2e = 1.4426950408889634f;
   bwd_for_each_element<kUnitCol, MF, NF>(bias, row_stride, col_stride, blk, lane,
                                          [&](int mf, int nf, int i, bool inside, const BiasT* ptr) {
                                            const float add = inside ? to_float(__ldg(ptr)) : 0.f;

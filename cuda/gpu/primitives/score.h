@@ -81,7 +81,6 @@ __device__ __forceinline__ void for_each_block_element(const QueryKeyView<U>& vi
 template <bool kUnitCol, class BiasT, int MF, int NF>
 __device__ __forceinline__ void add_bias(float (&s)[MF][NF][4], const QueryKeyView<BiasT>& bias, int row0, int col0,
                                          const Positions& pos, float mul, int lane) {
-  constexpr float kLog2e = 1.4426950408889634f;
   for_each_block_element<kUnitCol, MF, NF>(
       bias, row0, col0, pos.q_len - row0, pos.kv_len - col0, lane,
       [&](int mf, int nf, int i, bool inside, const BiasT* ptr) {
