@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     forward_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ FwdRuntime launch_rt) {
 #if JF_WGMMA
   using T = typename Cfg::T;
-  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+  constexpr int BM = Cfg::kBlockM;
   extern __shared__ char smem_raw[];
   const FwdSm90Smem<Cfg> sm{smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024)};
 
