@@ -405,7 +405,9 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
                    is_causal: bool = False, local_window_size: int | tuple[int, int] | None = None,
                    order: Literal["contiguous", "zigzag"] = "contiguous",
                    precision: str | jax.lax.Precision | None = None, return_residual: bool = False,
-                   logits_soft_cap: float | None = None):
+                   logits_soft_cap: float | None = None, query_seq_lengths=None,
+                   key_value_seq_lengths=None, query_segment_ids=None,
+                   key_value_segment_ids=None):
   """Attention over a sequence sharded along the mesh axis ``axis_name``, for use inside
   :func:`jax.shard_map`: ring attention (K/V blocks travel round the devices of the axis by
   collective permutes; each device merges its queries' partial results by their logsumexp).
@@ -425,38 +427,51 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
   key blocks of equal length, the contiguous order); the ring then runs only as far as the
   window reaches. ``scale``, ``precision`` and ``logits_soft_cap`` are :func:`attention`'s.
 
+  ``query_segment_ids`` and ``key_value_segment_ids`` are this device's blocks ``(B, T/n)`` and
+  ``(B, S/n)`` of :func:`attention`'s, in the same order as the sequence; the key ids travel
+  round the ring with their K/V block. ``query_seq_lengths`` and ``key_value_seq_lengths`` are
+  :func:`attention`'s ``(B,)``, the same on every device: lengths of the whole sequence, in
+  its positions (top-left aligned), whatever the order.
+
   Returns this device's block of the output (and, with ``return_residual``, of the logsumexp).
-  Differentiable (the backward is a ring too). Bias, mask, sequence lengths and dropout are not
-  supported yet; with ``jax.jit`` on sequence-sharded operands,
+  Differentiable (the backward is a ring too). Bias, mask, dropout and ALiBi are not supported
+  yet; with ``jax.jit`` on sequence-sharded operands,
   :func:`attention` runs this ring itself (``docs/DESIGN.md``, Multi-device).
   """
   call = validate_ring(query, key, value, axis_name=axis_name, scale=scale, is_causal=is_causal,
                        local_window_size=local_window_size, order=order, precision=precision,
-                       return_residual=return_residual, logits_soft_cap=logits_soft_cap)
+                       return_residual=return_residual, logits_soft_cap=logits_soft_cap,
+                       query_seq_lengths=query_seq_lengths,
+                       key_value_seq_lengths=key_value_seq_lengths,
+                       query_segment_ids=query_segment_ids,
+                       key_value_segment_ids=key_value_segment_ids)
   ring = ring_lib.Ring(call.config, axis_name, order)
   if call.is_empty:
     out = jnp.zeros(_output_shape(call), call.q.dtype)
     lse = jnp.full(call.q.shape[:-1], -jnp.inf, call.q.dtype)
   else:
-    out, lse = _ring(call.q, call.k, call.v, call.scale, ring)
+    given = dict(zip(OPTIONAL_INPUTS, call.optional_operands()))
+    operands = {slot: given[slot] for slot in ring_lib.RING_OPERANDS if given[slot] is not None}
+    out, lse = _ring(call.q, call.k, call.v, call.scale, operands, ring)
     lse = lse.astype(call.q.dtype)
   return (out, lse) if return_residual else out
 
 
-# `scale`: the scale operand (validation.Call), None for a static scale.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q, k, v, scale, ring: ring_lib.Ring):
-  out32, lse2 = ring_lib.forward(q, k, v, ring, scale)
+# `scale`: the scale operand (validation.Call), None for a static scale; `operands`: the
+# present ones of ring_lib.RING_OPERANDS by slot (integers: no cotangent).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, scale, operands, ring: ring_lib.Ring):
+  out32, lse2 = ring_lib.forward(q, k, v, ring, scale, operands)
   return out32.astype(q.dtype), _natural(lse2)
 
 
-def _ring_fwd(q, k, v, scale, ring):
-  out32, lse2 = ring_lib.forward(q, k, v, ring, scale)
-  return (out32.astype(q.dtype), _natural(lse2)), (q, k, v, scale, out32, lse2)
+def _ring_fwd(q, k, v, scale, operands, ring):
+  out32, lse2 = ring_lib.forward(q, k, v, ring, scale, operands)
+  return (out32.astype(q.dtype), _natural(lse2)), (q, k, v, scale, operands, out32, lse2)
 
 
 def _ring_bwd(ring, residuals, cotangents):
-  q, k, v, scale, out32, lse2 = residuals
+  q, k, v, scale, operands, out32, lse2 = residuals
   d_out, d_lse = cotangents
   config = ring.config
   delta = _delta(d_out, out32, config)
@@ -465,21 +480,21 @@ def _ring_bwd(ring, residuals, cotangents):
   centre = None
   if scale is not None:
     bwd_config = _wanting_dscale(bwd_config)
-    centre = _ring_dscale_centre(q, k, scale, ring)
+    centre = _ring_dscale_centre(q, k, scale, operands, ring)
   dq, dk, dv, dscale = ring_lib.backward(q, k, v, lse2, delta, d_out.astype(q.dtype),
                                          dataclasses.replace(ring, config=bwd_config), scale,
-                                         centre)
+                                         centre, operands)
   if scale is not None:
     dq = _query_gradient(q, dq, scale)
     dscale = _scale_gradient(dscale, scale, centre, d_lse)
-  return dq, dk, dv, dscale
+  return dq, dk, dv, dscale, {slot: None for slot in operands}
 
 
-def _ring_dscale_centre(q, k, scale, ring: ring_lib.Ring):
+def _ring_dscale_centre(q, k, scale, operands, ring: ring_lib.Ring):
   """_dscale_centre's E for this device's query block: a ring forward of attention(q, k, v=k)
-  over the whole sequence."""
+  over the whole sequence, with the call's ring operands (lengths, segment ids)."""
   out32, _lse2 = ring_lib.forward(q, k, k, dataclasses.replace(ring, config=_centre_config(ring.config)),
-                                  scale)
+                                  scale, operands)
   return _centre_rows(q, out32, scale, ring.config)
 
 

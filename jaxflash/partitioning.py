@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxflash import kernels
 from jaxflash import ring as ring_lib
 from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, FORWARD_INPUTS, FORWARD_RESULTS,
-                               QUERY_ROW_SLOTS, Flag, KernelConfig, absent)
+                               OPTIONAL_INPUTS, QUERY_ROW_SLOTS, Flag, KernelConfig, absent)
 from jaxflash.layout import COL, ROW, Axis, role_axis
 
 # The kernels' workspaces stay inside the partition.
@@ -387,12 +387,22 @@ def _ring_scale(ring: ring_lib.Ring, scale):
   return scale if ring.config.has(Flag.SCALE_OPERAND) else None
 
 
+def _ring_operands(ring: ring_lib.Ring, given: dict) -> dict:
+  """The present ones of ring_lib.RING_OPERANDS among the optional operands `given` by slot:
+  the segment ids in the ring's order, the lengths (not sharded on the sequence) as they are."""
+  return {slot: _reorder(ring, given[slot], slot, ring_lib.to_zigzag) if "segment" in slot
+          else given[slot]
+          for slot in ring_lib.RING_OPERANDS if ring.config.layout(slot) is not None}
+
+
 def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
   """Ring attention on contiguous sequence shards (permuted to zig-zag order and back)."""
-  # Of the optional operands only the scale can be present (ring_lib.unsupported).
+  # Of the optional operands only the scale, the lengths and the segment ids can be present
+  # (ring_lib.unsupported).
   scale = _ring_scale(ring, optional[-1])
+  operands = _ring_operands(ring, dict(zip(OPTIONAL_INPUTS, optional)))
   q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
-  o32, lse = ring_lib.forward(q, k, v, ring, scale)
+  o32, lse = ring_lib.forward(q, k, v, ring, scale, operands)
   o = o32 if ring.config.has(Flag.OUTPUT_F32) else o32.astype(q.dtype)
   return (_reorder(ring, o, "o", ring_lib.from_zigzag),
           _reorder(ring, lse, "lse", ring_lib.from_zigzag))
@@ -400,14 +410,16 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
                    kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre):
-  # absent: ring_lib.unsupported
-  del bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes
+  del bias, mask, seed, alibi_slopes  # absent: ring_lib.unsupported
+  optional = _ring_operands(ring, dict(q_lens=q_lens, kv_lens=kv_lens,
+                                       q_segment_ids=q_segment_ids,
+                                       kv_segment_ids=kv_segment_ids))
   operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in
               ((q, "q"), (k, "k"), (v, "v"), (lse, "lse"), (delta, "delta"), (d_o, "d_o"))]
   # The centre is per query row, as delta: it travels with the query block.
   centre = (_reorder(ring, dscale_centre, "dscale_centre", ring_lib.to_zigzag)
             if ring.config.has(Flag.HAS_DSCALE) else None)
-  dq, dk, dv, dscale = ring_lib.backward(*operands, ring, _ring_scale(ring, scale), centre)
+  dq, dk, dv, dscale = ring_lib.backward(*operands, ring, _ring_scale(ring, scale), centre, optional)
   dq, dk, dv = (_reorder(ring, g, slot, ring_lib.from_zigzag)
                 for g, slot in zip((dq, dk, dv), ("dq", "dk", "dv")))
   dscale = (absent("dscale", jnp.float32) if dscale is None else

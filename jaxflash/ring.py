@@ -32,6 +32,12 @@ Blocks travel with only the key rows their remaining steps read, and each step
 merges only the query rows it wrote, so a window of w moves and merges w rows a
 step, not a whole block.
 
+Segment ids and sequence lengths (top-left) ride along: the key ids travel with their K/V
+block, cut to the same rows; the query ids stay with the query block; and each kernel call
+gets its task's slices of the ids and the lengths as its own rows see them (Ring.local_length:
+from the global positions of the task's rows, which depend on the device and, in the zig-zag
+order, the chunk). A row that sees no key in a task comes back 0 / -inf and merges as nothing.
+
 Used two ways: jaxflash.ring_attention inside shard_map (the caller chooses the
 order), and the partitioning stage when jit's operands are sharded along the
 sequence (it permutes the contiguous shards into zig-zag order and back).
@@ -58,17 +64,26 @@ OPEN = (UNBOUNDED, UNBOUNDED)  # KernelConfig.window of full attention
 CAUSAL = (UNBOUNDED, 0)
 
 
+# The optional operands the ring takes (besides a traced scale): the query's segment ids and
+# lengths stay with the local query block, the key ids travel round with their K/V block, and
+# every kernel call gets the slices and the lengths of its own rows (Ring.task_operands).
+RING_OPERANDS = ("q_lens", "kv_lens", "q_segment_ids", "kv_segment_ids")
+
+
 def unsupported(config: KernelConfig) -> str | None:
   """Why ring attention cannot compute this call, or None if it can."""
   T, S = config.seq_dims[:2]
-  for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("q_lens", "query_seq_lengths"),
-                     ("kv_lens", "key_value_seq_lengths"), ("seed", "dropout"),
-                     ("q_segment_ids", "segment ids"), ("alibi_slopes", "alibi_slopes")):
+  for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("seed", "dropout"),
+                     ("alibi_slopes", "alibi_slopes")):
     if config.layout(slot) is not None:
       return f"{what} is not supported yet"
   if config.window != OPEN and T != S:
     what = "causal attention" if config.window == CAUSAL else "a local window"
     return f"{what} needs equal query and key lengths, got {T} and {S}"
+  has_lengths = config.has(Flag.HAS_Q_LENS) or config.has(Flag.HAS_KV_LENS)
+  if config.window != OPEN and has_lengths and config.has(Flag.BOTTOM_RIGHT):
+    return ("mask_alignment='bottom_right' with sequence lengths is not supported yet (its "
+            "diagonal moves with kv_len - q_len per batch item)")
   return None
 
 
@@ -185,10 +200,50 @@ class Ring:
     config = config or self.config
     layouts = {slot: with_rows(layout, task.tq if slot in QUERY_ROW_SLOTS else task.tk)
                for slot, layout in config.layouts}
-    # Positions are the task's own (the lengths are equal, and there are no length operands).
+    # Positions are the task's own: the blocks' offsets are in `diagonal`, and the length
+    # operands are the task's (Ring.task_operands). The diagonal is top-left: with a window
+    # T == S, and bottom-right with lengths is unsupported().
     return config.replace(seq_dims=(task.tq, task.tk, *config.seq_dims[2:]), window=task.window,
                           diagonal=task.diagonal,
                           flags=config.flags & ~Flag.BOTTOM_RIGHT).with_layouts(layouts)
+
+  def _pieces(self, device, rows: int) -> list[tuple[int, jax.Array, int]]:
+    """(block row, sequence position, rows) of each contiguous piece of `device`'s block of
+    `rows` rows, in block order, which is also the sequence's: the contiguous order's one
+    piece, the zig-zag order's two chunks."""
+    if self.order == "zigzag":
+      c = rows // 2
+      return [(0, device * c, c), (c, (2 * self.size - 1 - device) * c, c)]
+    return [(0, device * rows, rows)]
+
+  def local_length(self, length, device, rows: int, start: int, size: int):
+    """How many of rows [start, start + size) of `device`'s block (of `rows` rows) come before
+    sequence position `length` (per batch item, traced): the length of a kernel call on those
+    rows. Its pieces lie in sequence order, so the rows before `length` are a prefix."""
+    total = jnp.zeros_like(length)
+    for first, position, n in self._pieces(device, rows):
+      lo, hi = max(start, first), min(start + size, first + n)
+      if lo < hi:
+        total = total + jnp.clip(length - (position + (lo - first)), 0, hi - lo)
+    return total
+
+  def task_operands(self, task: Task, src, operands: dict, kv_ids=None) -> dict:
+    """The optional operands of `task` on the visiting block of device `src`, by slot: the
+    query segment ids' task rows, the visiting key ids (`kv_ids`, already cut to the task's
+    keys), and the lengths as the task's rows see them. `operands`: this device's
+    (RING_OPERANDS: its query block's ids, its own key block's ids, and the lengths)."""
+    i = lax.axis_index(self.axis_name)
+    T, S = self.config.seq_dims[:2]
+    present = {}
+    if "q_lens" in operands:
+      present["q_lens"] = self.local_length(operands["q_lens"], i, T, task.q0, task.tq)
+    if "kv_lens" in operands:
+      present["kv_lens"] = self.local_length(operands["kv_lens"], src, S, task.k0, task.tk)
+    if "q_segment_ids" in operands:
+      present["q_segment_ids"] = _rows(operands["q_segment_ids"],
+                                       self.config.layout("q_segment_ids"), task.q0, task.tq)
+      present["kv_segment_ids"] = kv_ids
+    return present
 
   def shift(self, tree, by: int = 1):
     """Sends each device's `tree` to the device `by` places on round the ring."""
@@ -233,10 +288,12 @@ def _pad_rows(x, layout: Layout, start: int, total: int, value):
   return lax.pad(x, jnp.asarray(value, x.dtype), config)
 
 
-def _optional_operands(dtype, scale):
-  """The kernels' optional operands: all absent (unsupported() refuses them) but the scale
-  operand, when the scale is traced (None: static)."""
-  return tuple(scale if slot == "scale" and scale is not None else absent(slot, dtype)
+def _optional_operands(dtype, scale, present: dict):
+  """The kernels' optional operands: the scale operand, when the scale is traced (None:
+  static), those `present` (Ring.task_operands), and placeholders for the rest (unsupported()
+  refuses them)."""
+  present = dict(present, **({"scale": scale} if scale is not None else {}))
+  return tuple(present[slot] if slot in present else absent(slot, dtype)
                for slot in OPTIONAL_INPUTS)
 
 
@@ -282,54 +339,69 @@ def _merge(acc, part, o_layout: Layout, lse_layout: Layout):
   return o_a * weight(rel_a) + o_b * weight(rel_b), lse
 
 
-def _travel(ring: Ring, ring_pass: Pass, k, v, S: int):
-  """Per step of the pass: (step, branches, the K/V block on this device, the key rows it
-  holds). Each step's send is issued before the step computes, so the two overlap."""
-  kv, held = (k, v), (0, S)
+def _travel(ring: Ring, ring_pass: Pass, block: tuple, slots: tuple[str, ...], S: int):
+  """Per step of the pass: (step, branches, the block on this device, the key rows it holds).
+  `block`: this device's arrays of the key rows that travel (K, V and the key segment ids), of
+  `slots`. Each step's send is issued before the step computes, so the two overlap."""
+  held = (0, S)
   last = len(ring_pass.steps) - 1
   for step, branches in enumerate(ring_pass.steps):
-    block, block_rows = kv, held
+    here, block_rows = block, held
     if step < last:
       held = ring_pass.keys_held(step + 1, S)
       lo, hi = held[0] - block_rows[0], held[1] - block_rows[0]
-      kv = ring.shift(tuple(_rows(x, ring.config.layout(slot), lo, hi - lo)
-                            for x, slot in zip(kv, ("k", "v"))), ring_pass.direction)
-    yield step, branches, block, block_rows
+      block = ring.shift(tuple(_rows(x, ring.config.layout(slot), lo, hi - lo)
+                               for x, slot in zip(block, slots)), ring_pass.direction)
+    yield step, branches, here, block_rows
 
 
 def _step_call(ring: Ring, ring_pass: Pass, step: int, branches: Branches, compute, idle, block,
-               block_rows: Span):
-  """compute(task, k rows, v rows) for this device's branch at the step, or idle()."""
-  def task_call(task: Task, k_block, v_block):
+               slots: tuple[str, ...], block_rows: Span):
+  """compute(task, src, k rows, v rows, key id rows...) for this device's branch at the step
+  (src: the device whose block it is), or idle()."""
+  src = (lax.axis_index(ring.axis_name) - ring_pass.direction * step) % ring.size
+
+  def task_call(task: Task, *arrays):
     rows = lambda x, slot: _rows(x, ring.config.layout(slot), task.k0 - block_rows[0], task.tk)
-    return compute(task, rows(k_block, "k"), rows(v_block, "v"))
+    return compute(task, src, *(rows(x, slot) for x, slot in zip(arrays, slots)))
   return ring.run(step, ring_pass.direction, branches, task_call, idle, *block)
 
 
-def forward(q, k, v, ring: Ring, scale=None):
+def _travelling(k, v, operands: dict) -> tuple[tuple, tuple[str, ...]]:
+  """The arrays that travel round the ring with the key rows, and their slots."""
+  if "kv_segment_ids" in operands:
+    return (k, v, operands["kv_segment_ids"]), ("k", "v", "kv_segment_ids")
+  return (k, v), ("k", "v")
+
+
+def forward(q, k, v, ring: Ring, scale=None, operands: dict | None = None):
   """This device's (o in float32, lse) over the whole ring; `scale`: the scale operand of a
-  traced scale (Flag.SCALE_OPERAND), None for a static one."""
+  traced scale (Flag.SCALE_OPERAND), None for a static one; `operands`: this device's of
+  RING_OPERANDS by slot (its blocks of the segment ids, the whole lengths), those present."""
   config = ring.config.replace(flags=ring.config.flags | Flag.OUTPUT_F32)
   T, S = config.seq_dims[:2]
   o_layout, lse_layout = config.layout("o"), config.layout("lse")
+  operands = operands or {}
   o = lse = None
   for ring_pass in ring.passes():
-    for step, branches, block, block_rows in _travel(ring, ring_pass, k, v, S):
+    own, slots = _travelling(k, v, operands)
+    for step, branches, block, block_rows in _travel(ring, ring_pass, own, slots, S):
       if branches == (None, None):
         continue
       lo, hi = span = ring_pass.query_span(step)
 
-      def compute(task: Task, k_rows, v_rows):
+      def compute(task: Task, src, k_rows, v_rows, *kv_ids):
+        present = ring.task_operands(task, src, operands, *kv_ids)
         o_part, lse_part, _workspace = kernels.forward_kernel_p.bind(
             _rows(q, config.layout("q"), task.q0, task.tq), k_rows, v_rows,
-            *_optional_operands(q.dtype, scale), config=ring.task_config(task, config))
+            *_optional_operands(q.dtype, scale, present), config=ring.task_config(task, config))
         return (_pad_rows(o_part, o_layout, task.q0 - lo, hi - lo, 0.0),
                 _pad_rows(lse_part, lse_layout, task.q0 - lo, hi - lo, -jnp.inf))
 
       idle = lambda: (_zeros(o_layout, hi - lo),
                       jnp.full(shape_of(with_rows(lse_layout, hi - lo)), -jnp.inf, jnp.float32))
       o_part, lse_part = _step_call(ring, ring_pass, step, branches, compute, idle, block,
-                                    block_rows)
+                                    slots, block_rows)
       if o is None:  # the first step: the local block, all rows (plan())
         assert span == (0, T), span
         o, lse = o_part, lse_part
@@ -342,14 +414,17 @@ def forward(q, k, v, ring: Ring, scale=None):
   return o, lse
 
 
-def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None):
+def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None,
+             operands: dict | None = None):
   """(dq, dk, dv, dscale) of this device's blocks over the whole ring; ring.config is the
   backward's. With a scale operand (`scale`, as for forward), dq is the scaled query's, in float32
   (Flag.SCALE_OPERAND); dscale is the kernels' partial sums of its gradient per key row of the
   local block (Flag.HAS_DSCALE), None without that flag. `centre`: with Flag.HAS_DSCALE, the
   dscale_centre operand of the local query block (its rows' mean logits over the whole ring,
-  laid out as delta), which each step's kernels read for their query rows as they read delta."""
+  laid out as delta), which each step's kernels read for their query rows as they read delta.
+  `operands`: as for forward."""
   config = ring.config
+  operands = operands or {}
   T, S = config.seq_dims[:2]
   layout = config.layout
   # The gradients of the key rows, which travel with their block: dK, dV (and dscale).
@@ -364,16 +439,18 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None):
   for ring_pass in ring.passes():
     travelling = touched = None  # the key gradients of the block here (its rows `touched`)
     last = len(ring_pass.steps) - 1
-    for step, branches, block, block_rows in _travel(ring, ring_pass, k, v, S):
+    own, slots = _travelling(k, v, operands)
+    for step, branches, block, block_rows in _travel(ring, ring_pass, own, slots, S):
       if branches != (None, None):
         q_lo, q_hi = q_span = ring_pass.query_span(step)
         k_lo, k_hi = k_span = ring_pass.key_span(step)
 
-        def compute(task: Task, k_rows, v_rows):
+        def compute(task: Task, src, k_rows, v_rows, *kv_ids):
           q_rows = lambda x, slot: _rows(x, layout(slot), task.q0, task.tq)
+          present = ring.task_operands(task, src, operands, *kv_ids)
           dq_part, dk_part, dv_part, _dbias, _dalibi, dscale_part, _workspace = (
               kernels.backward_kernel_p.bind(
-                  q_rows(q, "q"), k_rows, v_rows, *_optional_operands(q.dtype, scale),
+                  q_rows(q, "q"), k_rows, v_rows, *_optional_operands(q.dtype, scale, present),
                   q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
                   (absent("dscale_centre", jnp.float32) if centre is None else
                    q_rows(centre, "dscale_centre")),
@@ -387,7 +464,7 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None):
         idle = lambda: (_zeros(layout("dq"), q_hi - q_lo),
                         *(_zeros(layout(slot), k_hi - k_lo) for slot in key_slots))
         dq_part, *key_parts = _step_call(ring, ring_pass, step, branches, compute, idle,
-                                         block, block_rows)
+                                         block, slots, block_rows)
         dq = _update_rows(dq, layout("dq"), q_span, lambda rows: rows + dq_part)
         if step == 0:  # the local block's own
           key_grads = add_rows(key_grads, k_span, key_parts)

@@ -271,12 +271,18 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
 
 
 def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_window_size, order,
-                  precision, return_residual, logits_soft_cap) -> Call:
+                  precision, return_residual, logits_soft_cap, query_seq_lengths=None,
+                  key_value_seq_lengths=None, query_segment_ids=None,
+                  key_value_segment_ids=None) -> Call:
   """jaxflash.ring_attention's arguments: those it shares with jaxflash.attention (checked as
   there), then the ring's own; also refuses what ring attention cannot compute."""
   call = validate(query, key, value, scale=scale, is_causal=is_causal,
                   local_window_size=local_window_size, precision=precision,
-                  return_residual=return_residual, logits_soft_cap=logits_soft_cap)
+                  return_residual=return_residual, logits_soft_cap=logits_soft_cap,
+                  query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths,
+                  query_segment_ids=query_segment_ids,
+                  key_value_segment_ids=key_value_segment_ids)
   if order not in ("contiguous", "zigzag"):
     raise ValueError(f"jaxflash.ring_attention: order must be 'contiguous' or 'zigzag', got "
                      f"{order!r}")

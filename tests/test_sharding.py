@@ -158,7 +158,8 @@ CASES = {
                                                         ("logits_soft_cap", 2.0)),
                                           local=False, ring=True),
     # Segment ids shard with the batch (nothing gathered), stay replicated beside sharded
-    # heads, and with a sharded sequence are gathered with it (no ring for them yet).
+    # heads, and with a sharded sequence shard with it: ring attention, the key ids travelling
+    # with their K/V block.
     "batch_segment_ids_causal": ShardCase(
         False, dict(query=P("x"), key=P("x"), value=P("x"), query_segment_ids=P("x"),
                     key_value_segment_ids=P("x")),
@@ -167,10 +168,43 @@ CASES = {
         False, dict(query=P(None, None, "x"), key=P(None, None, "x"), value=P(None, None, "x"),
                     bias=P(None, "x")),
         B=2, N=8, K=8, T=45, S=45, bias=(1, 8, 45, 45), segments=True),
-    "sequence_segment_ids_gathered": ShardCase(
+    # Causal over blocks that split in two: the zig-zag order (the ids permuted with q, k, v).
+    "sequence_segment_ids_causal_zigzag": ShardCase(
         False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x"),
                     query_segment_ids=P(None, "x"), key_value_segment_ids=P(None, "x")),
-        B=2, segments=True, options=(("is_causal", True),), local=False),
+        B=2, segments=True, options=(("is_causal", True),), local=False, ring=True),
+    # Causal over blocks of 5 on 8 devices (odd: the contiguous order), ids replicated.
+    "sequence_segment_ids_causal_contiguous": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")),
+        B=2, T=40, S=40, segments=True, options=(("is_causal", True),), local=False, ring=True),
+    "sequence_segment_ids_full": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x"),
+                    query_segment_ids=P(None, "x"), key_value_segment_ids=P(None, "x")),
+        B=2, segments=True, local=False, ring=True),
+    # Sequence lengths: each kernel call of the ring gets the lengths as its rows see them
+    # (clipped to its block's positions; rows past q_len stay 0 / -inf through the merge).
+    "sequence_lengths_causal_zigzag": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")),
+        B=4, lengths=True, options=(("is_causal", True),), local=False, ring=True),
+    "sequence_lengths_causal_contiguous_segment_ids": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x"),
+                    query_segment_ids=P(None, "x"), key_value_segment_ids=P(None, "x")),
+        B=4, T=40, S=40, lengths=True, segments=True, options=(("is_causal", True),),
+        local=False, ring=True),
+    "sequence_lengths_sliding_window": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")),
+        B=4, lengths=True, options=(("local_window_size", (13, 0)),), local=False, ring=True),
+    # (Without a window or causal mask the alignment places nothing: a ring case.)
+    "sequence_cross_lengths_bottom_right": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")),
+        B=4, T=64, S=32, lengths=True, options=(("mask_alignment", "bottom_right"),),
+        local=False, ring=True),
+    # Bottom-right alignment with lengths moves the diagonal per batch item: no ring for it
+    # yet, XLA gathers the sequence.
+    "sequence_lengths_bottom_right_gathered": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")),
+        B=4, lengths=True, local=False,
+        options=(("is_causal", True), ("mask_alignment", "bottom_right"))),
     # ALiBi slopes shard with the batch and heads they belong to (nothing gathered; the
     # gradient of (N,) slopes shared by a sharded batch is summed across it), and with a
     # sharded sequence are gathered with it (no ring for them yet).
@@ -424,6 +458,23 @@ RING_CASES = {
     "causal_zigzag_soft_cap": dict(is_causal=True, order="zigzag", logits_soft_cap=1.5),
     # A traced scale, replicated into the shard_map and differentiated: every block reads it.
     "causal_zigzag_traced_scale": dict(is_causal=True, order="zigzag", traced_scale=0.45),
+    # Packed documents: each device's block of the ids (permuted with q, k, v); the key ids
+    # travel with their K/V block.
+    "segment_ids_causal_zigzag": dict(is_causal=True, order="zigzag", segments=True),
+    "segment_ids_full_contiguous": dict(is_causal=False, order="contiguous", segments=True),
+    "segment_ids_full_zigzag": dict(is_causal=False, order="zigzag", segments=True),
+    # Lengths of the whole sequence, replicated: each kernel call takes them as its rows see
+    # them (in the zig-zag order, a block's two chunks lie apart in the sequence).
+    "lengths_causal_zigzag": dict(is_causal=True, order="zigzag", lengths=True),
+    "lengths_causal_contiguous": dict(is_causal=True, order="contiguous", lengths=True),
+    "lengths_two_sided_window": dict(is_causal=False, local_window_size=(5, 18),
+                                     order="contiguous", lengths=True),
+    "lengths_segment_ids_causal_zigzag": dict(is_causal=True, order="zigzag", lengths=True,
+                                              segments=True),
+    # A traced scale's gradient centres on each row's mean logit, a ring forward of its own
+    # (attention.py, _ring_dscale_centre), which must see the call's ids and lengths too.
+    "lengths_segment_ids_traced_scale": dict(is_causal=True, order="zigzag", lengths=True,
+                                             segments=True, traced_scale=0.45),
 }
 
 
@@ -432,28 +483,34 @@ RING_CASES = {
 def test_ring_attention_in_shard_map(name, dtype, backend, device):
   options = dict(RING_CASES[name])
   traced_scale = options.pop("traced_scale", None)
+  segments, lengths = options.pop("segments", False), options.pop("lengths", False)
   mesh = make_mesh(backend, two_d=False)
   n = mesh.shape["x"]
-  B, T, N, K = 2, 16 * n, 4, 2
-  case = ShardCase(False, {}, B=B, T=T, S=T, N=N, K=K)
+  B, T, N, K = (4 if lengths else 2), 16 * n, 4, 2
+  case = ShardCase(False, {}, B=B, T=T, S=T, N=N, K=K, segments=segments, lengths=lengths)
   inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
   if traced_scale is not None:
     inputs["scale"] = jax.device_put(jnp.asarray(traced_scale, jnp.float32), device)
   order = (jaxflash.zigzag_order(T, n) if options["order"] == "zigzag" else jnp.arange(T))
   undo = jnp.argsort(order)
   spec = P(None, "x")
-  in_specs = (spec, spec, spec) + ((P(),) if traced_scale is not None else ())
+  # After q, k and v: the segment ids (blocks, in the ring's order), the lengths (replicated),
+  # the traced scale, those the case has.
+  extra = ((("query_segment_ids", spec), ("key_value_segment_ids", spec)) if segments else ()) + (
+      (("query_seq_lengths", P()), ("key_value_seq_lengths", P())) if lengths else ()) + (
+      (("scale", P()),) if traced_scale is not None else ())
+  in_specs = (spec, spec, spec) + tuple(s for _, s in extra)
 
-  def ring_attention(query, key, value, *scale):  # the scale, when traced, after q, k and v
-    return jaxflash.ring_attention(query, key, value, axis_name="x",
-                                   scale=scale[0] if scale else None, **options)
+  def ring_attention(query, key, value, *args):
+    return jaxflash.ring_attention(query, key, value, axis_name="x", **options,
+                                   **dict(zip((name for name, _ in extra), args)))
 
   ring = jax.shard_map(ring_attention, mesh=mesh, in_specs=in_specs, out_specs=spec)
 
-  def attention(query, key, value, scale=None, **unused):
-    del unused
-    scale = () if scale is None else (scale,)
-    return ring(query[:, order], key[:, order], value[:, order], *scale)[:, undo]
+  def attention(query, key, value, **given):
+    in_order = lambda name, x: x[:, order] if "segment" in name else x
+    args = tuple(in_order(name, given[name]) for name, _ in extra)
+    return ring(query[:, order], key[:, order], value[:, order], *args)[:, undo]
 
   ours, ours_grads = reference.forward_and_grads(attention, *_shard(inputs, cotangent, case, mesh))
   static = {name: value for name, value in options.items() if name != "order"}
@@ -524,6 +581,24 @@ def test_ring_attention_refuses_what_it_cannot_compute():
   with pytest.raises(ValueError, match="order='zigzag' balances causal attention; with "
                                        "local_window_size=3 use order='contiguous'"):
     ring(local_window_size=3, order="zigzag").lower(x, x, x)
+
+
+def test_ring_unsupported_says_why():
+  """What the ring computes (segment ids, lengths) and what it leaves to a gathered call."""
+  x = jnp.ones((2, 16, 2, 8))
+  lens, ids = jnp.asarray([3, 16], jnp.int32), jnp.zeros((2, 16), jnp.int32)
+  why = lambda **kwargs: ring_lib.unsupported(validate(x, x, x, **kwargs).config)
+  assert why(is_causal=True, query_segment_ids=ids, key_value_segment_ids=ids,
+             query_seq_lengths=lens, key_value_seq_lengths=lens) is None
+  assert why(local_window_size=(3, 2), key_value_seq_lengths=lens) is None
+  assert why(key_value_seq_lengths=lens, mask_alignment="bottom_right") is None  # no diagonal
+  assert why(is_causal=True, mask_alignment="bottom_right") is None  # T == S: top-left's
+  assert "mask_alignment='bottom_right' with sequence lengths is not supported yet" in why(
+      is_causal=True, query_seq_lengths=lens, mask_alignment="bottom_right")
+  assert why(bias=jnp.ones((16, 16))) == "a bias is not supported yet"
+  assert why(mask=jnp.ones((16, 16), bool)) == "a mask is not supported yet"
+  assert why(alibi_slopes=jnp.ones((2,))) == "alibi_slopes is not supported yet"
+  assert why(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "dropout is not supported yet"
 
 
 U = UNBOUNDED

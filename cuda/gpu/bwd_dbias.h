@@ -194,16 +194,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (!one_col) return;
   // Row sums: lane, quad, then the warp columns in order.
   float rowsum[MF][2];
+  lane_row_sums(acc, rowsum);
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float x = 0.f;
-#pragma unroll
-      for (int nf = 0; nf < NF; ++nf) x += acc[mf][nf][2 * h] + acc[mf][nf][2 * h + 1];
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      x += __shfl_xor_sync(0xffffffffu, x, 2);
-      rowsum[mf][h] = x;
+      rowsum[mf][h] += __shfl_xor_sync(0xffffffffu, rowsum[mf][h], 1);
+      rowsum[mf][h] += __shfl_xor_sync(0xffffffffu, rowsum[mf][h], 2);
     }
   __syncthreads();
   if ((lane & 3) == 0)

@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
         in.segment_test = ids && rt.segments.needs_test(linear, i, key_tile);
         probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane,
-                               Cfg::kSoftcap && want_dscale ? logit_rows : nullptr);
+                               Cfg::kSoftcap && want_dscale ? &logit_rows : nullptr);
         store_frags<T>(sP, pr, s_row0, s_col0, 1.f, lane);
         if (want_dscale) {
           // The instance's rows of dscale_centre, formed here from `linear` rather than held through

@@ -73,7 +73,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
                                                   const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK,
                                                   const typename Cfg::QTile& sdO, const typename Cfg::KTile& sV,
                                                   int row0, int col0, int lane,
-                                                  float (*logit_rows)[2] = nullptr) {
+                                                  float (*logit_rows)[Cfg::kSMF][2] = nullptr) {
   using T = typename Cfg::T;
   constexpr int MF = Cfg::kSMF, NF = Cfg::kSNF, D = Cfg::kHeadDim;
 
@@ -179,17 +179,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   auto apply_slope = [&] {  // dS of the logits -> dS of Q K^T
     if constexpr (kSlope) {
       if (!(rt.softcap2 > 0.f)) return;  // the copy also runs ALiBi with ids, uncapped
-      if (logit_rows != nullptr) {
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float sum = 0.f;
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf) sum += ds[mf][nf][2 * h] + ds[mf][nf][2 * h + 1];
-            logit_rows[mf][h] = sum;
-          }
-      }
+      if (logit_rows != nullptr) lane_row_sums(ds, *logit_rows);
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll

@@ -266,6 +266,22 @@ __device__ __forceinline__ void zero_frags(float (&c)[MF][NF][4]) {
       for (int i = 0; i < 4; ++i) c[mf][nf][i] = 0.f;
 }
 
+// The lane's share of each of its rows' sums over a C-fragment block: rows[mf][h]
+// for row 16 mf + 8 h + lane / 4, over the lane's columns (its quad's other three
+// lanes hold the rest of the row).
+template <int MF, int NF>
+__device__ __forceinline__ void lane_row_sums(const float (&c)[MF][NF][4], float (&rows)[MF][2]) {
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float x = 0.f;
+#pragma unroll
+      for (int nf = 0; nf < NF; ++nf) x += c[mf][nf][2 * h] + c[mf][nf][2 * h + 1];
+      rows[mf][h] = x;
+    }
+}
+
 // C fragments -> a [row][col] tile of T at the warp block (row0, col0), each
 // lane storing its two adjacent columns as one 32-bit (or 64-bit) word. fp32
 // keeps full precision (the tf32 rounding, or split, happens on the loads).
