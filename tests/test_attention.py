@@ -516,23 +516,18 @@ def _large_cases():
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
-def test_attention_matches_reference(case: Case, backend, device, request):
-  check_against_reference(case, backend, device, request)
+def test_attention_matches_reference(case: Case, backend, device):
+  check_against_reference(case, backend, device)
 
 
 @pytest.mark.parametrize("case", _large_cases())
-def test_large_attention_matches_reference(case: Case, backend, device, request):
+def test_large_attention_matches_reference(case: Case, backend, device):
   if backend == "cpu":
     pytest.skip("the large grid runs on the GPU only (the CPU kernels take the shared grid)")
-  check_against_reference(case, backend, device, request)
+  check_against_reference(case, backend, device)
 
 
-def _xfail_here(request, reason: str):
-  """Marks the running test as a known failure (not strict: some of the cases pass by margin)."""
-  request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
-
-
-def check_against_reference(case: Case, backend: str, device, request):
+def check_against_reference(case: Case, backend: str, device):
   """jaxflash's outputs and gradients for `case` on `backend` against the reference, with
   the baseline's error as the yardstick; the drop-in contract (shapes, dtypes, placement); and
   exact zeros for rows that see no key. A traced scale's gradient is checked last, after every

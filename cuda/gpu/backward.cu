@@ -285,6 +285,8 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.kv_kept = split_count(p, kv_mask, false);
   int sms = 0;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  // Causal-like bands (keys end at a window's right edge): key tiles in descending order.
+  rt.keys_descend = p.window_right != kUnbounded;
   rt.ticket_group = std::clamp<int64_t>(sms / kBwdKeyTilesInFlight, 1, std::max<int64_t>(rt.kv_kept, 1));  // H100: 33
   rt.kv_reduced = split_count(p, kv_mask, true);
   rt.dbias_reduce_mask = want_dbias ? shared_axes(p, p.dbias) : 0u;

@@ -7,25 +7,26 @@
 // tile (a warp's block is the same in every CTA). The key tiles that touch Q
 // tile i are a contiguous range [j_first, j_last] (the visible band is
 // convex), with j_first = visible_keys(i).lo / BLOCK_N; warp w of key tile j
-// waits until its semaphore equals j - j_first, adds its partial (sm_90: one
-// bulk reduction from shared memory; sm_80: fp32 atomics), waits for the adds
-// to complete, fences and increments. So each dQ element receives its adds in
-// ascending key-tile order, whatever the schedule: bitwise reproducible. The
+// waits until its semaphore equals its turn (key_tile_turn, bwd_key_tile.h: j -
+// j_first, or j_last - j where the key tiles go in descending order), adds its
+// partial (sm_90: one bulk reduction from shared memory; sm_80: fp32 atomics),
+// waits for the adds to complete, fences and increments. So each dQ element
+// receives its adds in one fixed key-tile order, whatever the schedule:
+// bitwise reproducible. The
 // CTA's own Q-tile range comes from visible_queries(j), the transpose of the
 // same band, so the two sides agree on exactly which key tiles contribute
 // (params.h computes both from one rule).
 //
 // No deadlock. CTAs do not use blockIdx: each takes a ticket from a zeroed
 // counter on entry and decodes (kept instance, key tile) from it
-// (bwd_key_tile.h): within an instance, key tiles ascend with the ticket. A
-// warp only ever waits for a warp of a CTA of the same kept instance with a
-// smaller key tile, i.e. a smaller ticket, and a CTA holding
+// (bwd_key_tile.h): within an instance, key tiles follow the ticket in the
+// turns' order. A warp only ever waits for a warp of a CTA of the same kept
+// instance whose key tile comes earlier in that order, i.e. a smaller ticket,
+// and a CTA holding
 // a ticket is resident (it took it while running). By induction on tickets
 // the smallest unfinished one waits on nothing unfinished (its warps wait
 // only for each other, at barriers), so it completes: no reliance on the
-// hardware dispatching blocks in index order. Tickets also give the longest
-// CTAs of a group of instances (small key tiles under causal masking) the
-// group's first slots.
+// hardware dispatching blocks in index order.
 //
 // A turn's signal is deferred until just before the warp's next wait (or the
 // CTA's exit), so the completion wait and fence find the adds already done

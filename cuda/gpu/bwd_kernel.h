@@ -194,9 +194,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         if (i_next <= i_last) load_q_tile(i_next * BM, 0);
       }
 
-      const int64_t j_first = visible_keys(p, b, m0, m0 + BM).lo / BN;
-      const int target = ids ? rt.segments.meeting_key_tiles(linear, i, j_first, key_tile, lane)
-                             : static_cast<int>(key_tile - j_first);
+      const int target = key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, ids, lane);
       accumulate_dq<Cfg>(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad,
                          rt.sems + (linear * rt.q_tiles + i) * Cfg::kWarps, target, pending, sdS, sK, dq_stage,
                          lane, warp);

@@ -157,6 +157,7 @@ struct BwdRuntime {
   uint32_t kv_reduce_mask;
   int64_t kv_kept, kv_reduced, k_tiles;
   int64_t ticket_group;  // kept instances per group of tickets (bwd_key_tile.h)
+  bool keys_descend;     // key tiles take tickets and dQ turns from the last down (bwd_key_tile.h)
 
   // The dbias kernel: outputs per dbias-kept instance, summed over the
   // `dbias_reduced` instances it is broadcast along, and over rows / columns

@@ -18,9 +18,23 @@ namespace jaxflash::gpu {
 // This CTA's kept instance and key tile. CTAs do not use blockIdx: each takes a
 // ticket from the zeroed counter on entry. Tickets run through groups of
 // rt.ticket_group instances, and inside a group key tile slowest: within an
-// instance key tiles ascend with the ticket, which is what keeps the dQ protocol
-// free of deadlock (bwd_dq.h, "No deadlock"). The groups keep a few instances'
-// Q / dO in L2 for the CTAs in flight (bwd_tile_size.h: kBwdKeyTilesInFlight).
+// instance key tiles follow the ticket in the order their dQ turns take
+// (key_tile_turn), which is what keeps the dQ protocol free of deadlock (bwd_dq.h,
+// "No deadlock"). The groups keep a few instances' Q / dO in L2 for the CTAs in
+// flight (bwd_tile_size.h: kBwdKeyTilesInFlight).
+//
+// The order: ascending key tiles, or descending (rt.keys_descend) where the
+// keys visible to a query end at a window's right edge (causal masking). There,
+// key tile j visits Q tiles j, j + 1, ... (from its diagonal down), and Q tile
+// i is added to by key tiles ... i - 1, i. In ascending order key tile j's
+// first add (Q tile j) waits for every earlier key tile to reach Q tile j, the
+// next ones likewise, so key tile j finishes about j Q tiles late and holds its
+// SM idle meanwhile (the short tiles near the end wait longest: at N = 1k, 8
+// key tiles, 36 tile pairs of work took about 92 of SM time in that model). In
+// descending order Q tile i is added to first by key tile i, whose first Q tile
+// it is, then by i - 1, for which it is the second, and so on: each add finds
+// its turn already come. (The cost: the group's longest CTAs, the first key
+// tiles, take the last tickets.)
 struct KeyTileTicket {
   int64_t kept;      // the kept instance
   int64_t key_tile;  // keys [key_tile * BLOCK_N, + BLOCK_N)
@@ -33,7 +47,23 @@ __device__ __forceinline__ KeyTileTicket take_key_tile(const BwdRuntime& rt, int
   const int64_t ticket = s_ticket, per_group = rt.ticket_group * rt.k_tiles;
   const int64_t group = ticket / per_group, first = group * rt.ticket_group, in_group = ticket - group * per_group;
   const int64_t size = min(rt.ticket_group, rt.kv_kept - first);  // the last group may be smaller
-  return {first + in_group % size, in_group / size};
+  const int64_t nth = in_group / size;
+  return {first + in_group % size, rt.keys_descend ? rt.k_tiles - 1 - nth : nth};
+}
+
+// Key tile `key_tile`'s dQ turn on Q tile i (rows [i BM, i BM + BM)) of instance
+// `linear` (bwd_dq.h): how many key tiles add to that Q tile before it. Those
+// that add are the range the band lets meet the Q tile, under segment ids
+// (`ids`) only those whose id ranges meet its (SegmentTiles, a ballot: every lane
+// of the warp calls), in the order of the tickets (take_key_tile).
+template <int BM, int BN>
+__device__ __forceinline__ int key_tile_turn(const AttentionParams& p, const BwdRuntime& rt,
+                                             const InstanceBounds& b, int64_t linear, int64_t i,
+                                             int64_t key_tile, bool ids, int lane) {
+  const KeyRange keys = visible_keys(p, b, i * BM, i * BM + BM);
+  const int64_t lo = rt.keys_descend ? key_tile + 1 : keys.lo / BN;
+  const int64_t hi = rt.keys_descend ? (keys.hi + BN - 1) / BN : key_tile;
+  return ids ? rt.segments.meeting_key_tiles(linear, i, lo, hi, lane) : static_cast<int>(hi - lo);
 }
 
 // The K / V rows now in shared memory.

@@ -214,10 +214,9 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
       const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
 #pragma unroll 1
       for (int64_t i = rows.lo / BM; rows.lo < rows.hi && i <= (rows.hi - 1) / BM; ++i, ++n) {
-        const int64_t m0 = i * BM;
         const Stage<2> stage(n);
         mbar_wait(full + stage.index, stage.parity);
-        add(stage, linear * rt.q_tiles + i, static_cast<int>(key_tile - visible_keys(p, b, m0, m0 + BM).lo / BN));
+        add(stage, linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, false, 0));
       }
     }
   }
@@ -523,8 +522,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // only the key tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
       DqTurn turn{};
       if constexpr (kMods) {
-        const int64_t j_first = visible_keys(p, b, m0, m0 + BM).lo / BN;
-        turn = DqTurn{linear * rt.q_tiles + i, rt.segments.meeting_key_tiles(linear, i, j_first, key_tile, lane)};
+        turn = DqTurn{linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, true, lane)};
       }
       wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
       hold_acc(dq);
