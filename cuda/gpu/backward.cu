@@ -1,5 +1,5 @@
 // The backward pass: validation, the workspace, and four launches on one stream
-//   memset   : ticket counter, dQ semaphores, dQ accumulator <- 0
+//   memset   : ticket counter, dQ semaphores <- 0 (each dQ tile's first turn stores: bwd_dq.h)
 //   pre-pass : per row, the lse's hi and lo (base 2 already) and delta (+inf, 0 / 0 for rows that get
 //              no gradient); delta is the operand XLA computed as
 //              rowsum(dO o O) - dlse from the float32 output
@@ -106,6 +106,8 @@ __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_c
   const float scale = f32 ? 1.f : rt.scale;
   const BwdDqGrid& g = rt.dq;
   const float* const tile = rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad;
+  // A tile no key tile visited took no dQ turn: its accumulator was never written (bwd_dq.h).
+  const bool visited = rt.sems[static_cast<int64_t>(blockIdx.x) * rt.dq.warps] > 0;
   const int part_floats = g.mf * g.nf * 128;
   const int head_dim = static_cast<int>(p.head_dim);
   for (int part = pass_warp; part < g.chunks * g.warps; part += kPassThreads / 32) {
@@ -115,7 +117,8 @@ __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_c
     const float* src = tile + static_cast<int64_t>(part) * part_floats + lane;
     for (int mf = 0; mf < g.mf; ++mf)
       for (int nf = 0; nf < g.nf; ++nf, src += 128) {
-        const float x[4] = {src[0], src[32], src[64], src[96]};
+        float x[4] = {0.f, 0.f, 0.f, 0.f};
+        if (visited) x[0] = src[0], x[1] = src[32], x[2] = src[64], x[3] = src[96];
         const int col = col0 + 8 * nf;
         if (col >= head_dim) continue;
         const bool both = col + 1 < head_dim;

@@ -28,6 +28,12 @@
 // only for each other, at barriers), so it completes: no reliance on the
 // hardware dispatching blocks in index order.
 //
+// The first turn on a tile (target 0) stores instead of adding, so the
+// accumulator needs no clearing: a plain store (sm_90: a bulk copy) of the
+// partial, in the same place of the order as an add to zero would be, and bit
+// for bit the same but for the sign of a zero. Tiles that no key tile visits
+// get no turn; the post-pass writes 0 for them (their first semaphore is 0).
+//
 // A turn's signal is deferred until just before the warp's next wait (or the
 // CTA's exit), so the completion wait and fence find the adds already done
 // instead of stalling on them. That keeps the argument intact: a warp never
@@ -112,7 +118,8 @@ __device__ __forceinline__ void add_dq_chunk(const float (&dq)[MF][NF][4], float
       spin_until(sem, target);
       fence_proxy_async_global();
     }
-    bulk_reduce_add_f32(block, warp_stage, kWarpFloats * 4);
+    if (target == 0) bulk_store_f32(block, warp_stage, kWarpFloats * 4);
+    else bulk_reduce_add_f32(block, warp_stage, kWarpFloats * 4);
     bulk_commit();
   }
 #else
@@ -131,7 +138,11 @@ __device__ __forceinline__ void add_dq_chunk(const float (&dq)[MF][NF][4], float
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) atomicAdd(block + dq_frag_offset<NF>(mf, nf, e, lane), dq[mf][nf][e]);
+      for (int e = 0; e < 4; ++e) {
+        float* const at = block + dq_frag_offset<NF>(mf, nf, e, lane);
+        if (target == 0) *at = dq[mf][nf][e];
+        else atomicAdd(at, dq[mf][nf][e]);
+      }
 #endif
 }
 
@@ -163,7 +174,8 @@ __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int
   flush_dq_turn(pending, 0);
   spin_until(sem, target);
   fence_proxy_async_global();
-  bulk_reduce_add_f32(tile, stage, bytes);
+  if (target == 0) bulk_store_f32(tile, stage, bytes);
+  else bulk_reduce_add_f32(tile, stage, bytes);
   bulk_commit();
   bulk_wait_reads();
   mbar_arrive_if(stage_empty, true);

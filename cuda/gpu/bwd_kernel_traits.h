@@ -96,7 +96,9 @@ struct BwdConfig {
 //             kernel that runs (launch_backward): sized here for the general variant's, whose
 //             BLOCK_N (64 for 16-bit D = 64 / 128) is the smallest of the kernels that take
 //             ids, so the others' tables fit (BLOCK_M is common to all); none without ids
-// counter, sems and dq_acc are contiguous: one memset clears them.
+// counter and sems are contiguous: one memset clears them. dq_acc needs none: each Q tile's
+// first dQ turn stores where the others add (bwd_dq.h), and the post-pass writes 0 for a tile
+// no key tile visited (its first semaphore still 0).
 struct BwdWorkspaceLayout {
   int64_t block_m, q_tiles, t_pad, d_pad;
   int64_t sems_off, dq_acc_off, lse2_off, lse2_lo_off, delta_off, segments_off, zero_bytes, total_bytes;
@@ -113,7 +115,7 @@ struct BwdWorkspaceLayout {
     w.sems_off = 256;
     w.dq_acc_off = w.sems_off + align(instances * w.q_tiles * bwd_dq_grid(elem_bytes, static_cast<int>(w.d_pad)).warps * 4);
     w.lse2_off = w.dq_acc_off + align(instances * w.t_pad * w.d_pad * 4);
-    w.zero_bytes = w.lse2_off;
+    w.zero_bytes = w.dq_acc_off;
     w.lse2_lo_off = w.lse2_off + align(instances * w.t_pad * 4);
     w.delta_off = w.lse2_lo_off + align(instances * w.t_pad * 4);
     w.segments_off = w.delta_off + align(instances * w.t_pad * 4);

@@ -45,6 +45,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
                : "memory");
 #endif
 }
+// The same copy without the add: dst[i] = src[i] (a dQ tile's first turn, bwd_dq.h).
+__device__ __forceinline__ void bulk_store_f32(float* dst, const float* src, int bytes) {
+#if JF_BWD_DQ_BULK
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
