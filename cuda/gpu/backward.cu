@@ -288,10 +288,20 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.kv_kept = split_count(p, kv_mask, false);
   int sms = 0;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
-  // Causal-like bands (keys end at a window's right edge): key tiles in descending order.
-  rt.keys_descend = p.window_right != kUnbounded;
   rt.ticket_group = std::clamp<int64_t>(sms / kBwdKeyTilesInFlight, 1, std::max<int64_t>(rt.kv_kept, 1));  // H100: 33
   rt.kv_reduced = split_count(p, kv_mask, true);
+  // Key tiles in descending order (bwd_key_tile.h) for causal-like bands (keys end at a
+  // window's right edge), where a group's Q and dO fit in half of L2. Descending, the key
+  // tiles of an instance in flight together sit at Q tiles far apart (the short last ones
+  // come and go while the long first ones walk on), so each Q / dO tile is read again
+  // from L2 only if the group's all stay there; ascending, they walk the Q tiles a step
+  // apart. H100, bf16, 16k tokens (BENCHMARKS.md, 2026-11-26): descending everywhere took
+  // causal N = 1k to 1.18 / 1.25 of ascending (D = 64 / 128; group Q + dO 8.6 / 17 MB), and
+  // 4k to 0.95 / 0.89 (35 / 69 MB), 16k to 0.65 / 0.62 (all instances, 134 MB).
+  int l2_bytes = 0;
+  if ((err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device)) != cudaSuccess) return err;
+  const int64_t group_q_do_bytes = rt.ticket_group * rt.kv_reduced * p.seqlen_q * d_pad * elem_bytes * 2;
+  rt.keys_descend = p.window_right != kUnbounded && group_q_do_bytes <= l2_bytes / 2;
   rt.dbias_reduce_mask = want_dbias ? shared_axes(p, p.dbias) : 0u;
   rt.dbias_kept = split_count(p, rt.dbias_reduce_mask, false);
   rt.dbias_reduced = split_count(p, rt.dbias_reduce_mask, true);
