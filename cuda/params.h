@@ -197,13 +197,16 @@ struct AttentionParams {
   }
 };
 
-// Element offset of instance `linear` (row-major over inst_size) in `view`.
-JF_HOST_DEVICE int64_t instance_offset(const AttentionParams& p, const ArrayView& view,
-                                       int64_t linear) {
+// Element offset of instance `linear` (row-major over inst_size) in `view`. Index: int64_t,
+// or int where every instance index fits in one, which makes the divisions 32-bit (the
+// persistent sm_90 forward's producer decodes each tile in 24 registers: fwd_sm90_kernel.h).
+template <class Index>
+JF_HOST_DEVICE int64_t instance_offset(const AttentionParams& p, const ArrayView& view, Index linear) {
   int64_t offset = 0;
   for (int d = p.num_inst_dims - 1; d >= 0; --d) {
-    const int64_t i = linear % p.inst_size[d];
-    linear /= p.inst_size[d];
+    const Index size = static_cast<Index>(p.inst_size[d]);
+    const Index i = linear % size;
+    linear /= size;
     offset += i * view.inst_stride[d];
   }
   return offset;
@@ -237,7 +240,9 @@ JF_HOST_DEVICE LseSplit split_lse(float offset, float log2_sum) {
   return {hi, (offset - (hi - b)) + (log2_sum - b)};
 }
 
-JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, int64_t linear) {
+// The bounds of instance `linear` (Index: as instance_offset's).
+template <class Index>
+JF_HOST_DEVICE InstanceBounds instance_bounds(const AttentionParams& p, Index linear) {
   InstanceBounds b{p.seqlen_q, p.seqlen_k, p.diagonal_offset};
   if (p.has(kHasQLens)) {
     const int32_t n = static_cast<const int32_t*>(p.q_lens.data)[instance_offset(p, p.q_lens, linear)];

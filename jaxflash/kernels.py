@@ -23,8 +23,8 @@ else zero-size) is each query row's centre of that sum, its mean logit Σ P∘(q
 out as delta; jaxflash/attention.py, _dscale_centre).
 ``workspace`` is the CUDA kernels' scratch (uint8), sized here at abstract evaluation by
 the native module so the handler never allocates: the backward's dQ accumulator and row
-statistics, both directions' per-tile segment-id ranges (zero-size for a forward without
-segment ids, and in a CPU-only build; the CPU kernels ignore it).
+statistics, the persistent sm_90 forward's tile counter, both directions' per-tile segment-id
+ranges (zero-size in a CPU-only build; the CPU kernels ignore it).
 Each primitive has an abstract evaluation, a batching rule that folds the
 vmapped axis into the kernel's instance space (no transpose or copy of the
 operands: the axis becomes a stride), and a lowering to the FFI target of the

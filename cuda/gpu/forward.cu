@@ -174,12 +174,17 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cu
                               [&](auto d) { return launch_forward_instance<T, decltype(d)::value, M>(p, rt, stream); });
 }
 
+// The workspace: the persistent sm_90 kernel's tile counter (4 bytes at the first 4-byte
+// aligned address: 8 bytes cover any alignment), then the segment ids' tables.
+constexpr int64_t kTileCounterBytes = 8;
+
 }  // namespace
 
 int64_t forward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
                                 DType dtype, bool has_segment_ids) {
   const TileShape tiles = general_tiles(head_dim, dtype);
-  return segment_tiles_bytes(has_segment_ids, num_instances, seqlen_q, seqlen_k, tiles.block_m, tiles.block_n);
+  return kTileCounterBytes +
+         segment_tiles_bytes(has_segment_ids, num_instances, seqlen_q, seqlen_k, tiles.block_m, tiles.block_n);
 }
 
 cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
@@ -190,6 +195,7 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
       p.seqlen_k >= kMaxSeqLen || p.diagonal_offset <= -kMaxSeqLen || p.diagonal_offset >= kMaxSeqLen)
     return cudaErrorInvalidValue;
   if (p.seqlen_q == 0 || p.num_instances() == 0) return cudaSuccess;  // nothing to write
+  if (workspace == nullptr) return cudaErrorInvalidValue;
   // The kernel copies rows of q/k/v/o in contiguous chunks.
   if (p.head_dim > 1 && (p.q.col_stride != 1 || p.k.col_stride != 1 || p.v.col_stride != 1 || p.o.col_stride != 1))
     return cudaErrorInvalidValue;
@@ -220,6 +226,8 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   rt.k_vec = rows_aligned(p, p.k, elem_bytes);
   rt.v_vec = rows_aligned(p, p.v, elem_bytes);
   rt.o_vec = rows_aligned(p, p.o, p.has(kOutputF32) ? 4 : elem_bytes);
+  rt.tile_counter = reinterpret_cast<unsigned*>((reinterpret_cast<uintptr_t>(workspace) + 3) / 4 * 4);
+  char* const segment_scratch = static_cast<char*>(workspace) + kTileCounterBytes;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&rt.sms, cudaDevAttrMultiProcessorCount, device);
@@ -227,7 +235,7 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   if (err != cudaSuccess) return err;
   // The id ranges follow the tiles of the kernel that runs.
   const TileShape tiles = rt.sm90 ? sm90_tiles(p.head_dim, fwd_score_mods(p, rt)) : general_tiles(p.head_dim, p.dtype);
-  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, workspace, rt.segments, stream)) !=
+  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, segment_scratch, rt.segments, stream)) !=
       cudaSuccess)
     return err;
 

@@ -17,9 +17,11 @@
 
 namespace jaxflash::gpu {
 
-// One CTA of Cfg's kernel per (query tile, instance), in fwd_schedule.h's
-// order: the launch both forward kernels share.
-template <class Cfg, class Kernel>
+// Cfg's kernel over every (query tile, instance), in fwd_schedule.h's order: one
+// CTA per tile (the mma.sync kernel), or with kPersistent one CTA per SM, at most
+// one per tile, that takes tiles in turn from the counter in the workspace
+// (rt.tile_counter, zeroed here on the stream first: no host synchronisation).
+template <class Cfg, bool kPersistent = false, class Kernel>
 cudaError_t launch_query_tiles(Kernel* kernel, const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   constexpr int kSmem = Cfg::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {  // opt in beyond the default 48 KB
@@ -28,10 +30,18 @@ cudaError_t launch_query_tiles(Kernel* kernel, const AttentionParams& p, const F
   }
   const int64_t num_m = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t blocks = num_m * p.num_instances();
+  // (So the kernels decode tile indices in 32 bits: fwd_schedule.h.)
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   FwdRuntime grid_rt = rt;
   grid_rt.tile_group = forward_tile_group(p, rt.sms, num_m);
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, kSmem, stream>>>(p, grid_rt);
+  grid_rt.tiles = static_cast<int>(blocks);
+  int64_t grid = blocks;
+  if constexpr (kPersistent) {
+    grid = std::min<int64_t>(blocks, std::max(rt.sms, 1));
+    const cudaError_t err = cudaMemsetAsync(rt.tile_counter, 0, sizeof(*rt.tile_counter), stream);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, kSmem, stream>>>(p, grid_rt);
   return cudaGetLastError();
 }
 
@@ -45,9 +55,10 @@ cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& 
       using Plain = FwdSm90Config<T, D, false>;
       using Dropout = FwdSm90Config<T, D, true>;
       using ScoreMods = FwdSm90Config<T, D, false, true>;
-      if (fwd_score_mods(p, rt)) return launch_query_tiles<ScoreMods>(&forward_sm90_kernel<ScoreMods>, p, rt, stream);
-      return p.has(kDropout) ? launch_query_tiles<Dropout>(&forward_sm90_kernel<Dropout>, p, rt, stream)
-                             : launch_query_tiles<Plain>(&forward_sm90_kernel<Plain>, p, rt, stream);
+      if (fwd_score_mods(p, rt))
+        return launch_query_tiles<ScoreMods, true>(&forward_sm90_kernel<ScoreMods>, p, rt, stream);
+      return p.has(kDropout) ? launch_query_tiles<Dropout, true>(&forward_sm90_kernel<Dropout>, p, rt, stream)
+                             : launch_query_tiles<Plain, true>(&forward_sm90_kernel<Plain>, p, rt, stream);
     }
   }
   using Fast = FwdConfig<T, D, false, M>;

@@ -3,16 +3,52 @@
 // 128 / 256) under kernel_traits.h's fwd_sm90_case (no bias or mask; dropout
 // or the score modifiers, each in a copy of the kernel).
 //
-// A CTA is 1 + BLOCK_M / 64 warpgroups over BLOCK_M query rows of one instance:
-//   warpgroup 0: the producer. One thread issues every TMA load (Q, then the
-//                K / V tiles through the mbarrier pipeline; with segment ids
-//                its warp steps the key tiles); the warpgroup gives its
-//                registers to the consumers (setmaxnreg).
+// Persistent: one CTA per SM (at most one per query tile: fwd_launch.h)
+// computes query tile after query tile. The tile indices keep fwd_schedule.h's
+// order: a CTA starts at its blockIdx.x and then takes the next index not yet
+// taken from an atomic counter (next_persistent_tile), so the tiles start in
+// order (longest first under causal masking) and each on the CTA free first.
+// A CTA is 1 + BLOCK_M / 64 warpgroups:
+//   warpgroup 0: the producer. One thread (with segment ids one warp, which
+//                steps the key tiles: KeyTileWalk) takes the tile indices, hands
+//                each to the consumers through a ring of shared-memory slots
+//                (FwdSm90Smem::send_tile), then loads that tile: it issues
+//                every TMA load (Q, the K / V tiles through the mbarrier
+//                pipeline). The rest of the warpgroup leaves at once; it gives
+//                its registers to the consumers (setmaxnreg).
 //   warpgroups 1, 2 (, 3): consumers of 64 query rows each: the wgmma products, the
 //                online softmax, and the epilogue of their rows.
-// fwd_sm90_mainloop.h has the two roles' loops; the epilogue is the mma.sync
-// kernel's (fwd_epilogue.h), a consumer warp's 16 rows being one of its
+// The producer runs ahead as far as the buffers let it: the next tile's Q loads
+// once the current tile's last S product is done (O has a buffer of its own,
+// tile_size.h's kSeparateO; at D = 256, once its epilogue is), its K / V tiles as
+// the current tile's products release the stages, so the next tile's pipeline
+// fill overlaps the current tile's last products and its epilogue.
+// fwd_sm90_mainloop.h has the two roles' work on one tile; the epilogue is the
+// mma.sync kernel's (fwd_epilogue.h), a consumer warp's 16 rows being one of its
 // warps' m16 fragment: wgmma's accumulator layout is mma.sync's.
+//
+// Why it cannot deadlock: every wait has a party that will arrive.
+//  - Consumers, tile_full of the n-th tile: the producer sends every index it
+//    takes and, last, one >= rt.tiles, after which the consumers return. Before
+//    sending it waits for tile_empty of tile n - kTileSlots, on which every
+//    consumer warp arrived on receiving that tile, waiting for nothing else.
+//  - Consumers, q_full (phase n): the producer completes it for every tile it
+//    sends (Q's bytes, or its arrival alone for a tile that loads nothing), after
+//    q_empty (phase n - 1), on which every consumer warp arrives within tile
+//    n - 1, after its last S product or its epilogue, before waiting for q_full.
+//  - Consumers, k_full / v_full: the producer loads exactly the key tiles the
+//    consumers walk (the same KeyTileWalk), in their order, the CTA's i-th into
+//    the stage that the consumers released of the (i - kStages)-th, which they
+//    do as they finish it, waiting only for loads issued before.
+//  - The producer's waits on the "empty" barriers are such releases.
+//  - Every load the producer issues is for a tile the consumers receive, and
+//    they wait for its bytes, so no TMA load is in flight when the CTA exits;
+//    after the end index the producer issues nothing.
+//  - Named barriers are the consumers' alone: each tile's ping-pong turns
+//    balance (fwd_sm90_mainloop.h), and every consumer thread syncs on the
+//    zeroing one for the same tiles.
+// Every tile's arithmetic is the non-persistent kernel's: only the order the
+// tiles run in changed, so the results are bitwise the same.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +89,8 @@ struct FwdSm90Config {
   static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods>::kBlockN;
   static constexpr int kStages = FwdSm90TileSize<D, kScoreMods>::kStages;
   static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods>::kPingPong;
+  static constexpr bool kSeparateO = FwdSm90TileSize<D, kScoreMods>::kSeparateO;
+  static constexpr int kTileSlots = FwdSm90TileSize<D, kScoreMods>::kTileSlots;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -66,7 +104,7 @@ struct FwdSm90Config {
                 "setmaxnreg cannot give out more registers than the launch allocated");
   static_assert(kConsumers != 2 || kConsumerRegs == 240, "the shape tile_size.h measured");
   static_assert(kConsumers != 3 || kConsumerRegs == 160, "the shape tile_size.h measured");
-  using QTile = GmmaTile<T, kBlockM, D>;  // Q, then O on its way out
+  using QTile = GmmaTile<T, kBlockM, D>;  // Q, and O on its way out
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
   static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kScoreMods>(), "tile_size.h sizes the same layout");
@@ -85,15 +123,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const FwdSm90Smem<Cfg> sm{smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024)};
 
   const FwdRuntime& rt = launch_rt;
-  const FwdTile tile = forward_tile<BM>(p, rt, blockIdx.x);
-  const InstanceBounds bounds = instance_bounds(p, tile.linear);
-  const KeyRange keys = visible_keys(p, bounds, tile.m0, tile.m0 + BM);
-  const Positions pos(p, bounds);
-  const KeyTileWalk<Cfg> walk(rt.segments, tile.linear, tile.m0, keys, threadIdx.x % 32);
-  // No visible key for any row (or all rows padding), or no key tile that shares an id with
-  // them: nothing is loaded, and the epilogue alone writes O = 0 and lse = -inf.
-  const int top = walk.start();
-  const bool any = walk.visits(top);
+  // A tile's key tiles, which both roles walk alike.
+  auto key_tiles = [&](const FwdTile& tile, const InstanceBounds& bounds) {
+    const KeyRange keys = visible_keys(p, bounds, tile.m0, tile.m0 + BM);
+    return KeyTileWalk<Cfg>(rt.segments, tile.linear, tile.m0, keys, threadIdx.x % 32);
+  };
 
   const int tid = threadIdx.x;
   // The warpgroup, as a value ptxas knows to be warp-uniform (a shuffle from
@@ -104,47 +138,91 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (warpgroup == 0) {
     regs_release<Cfg::kProducerRegs>();
-    // (With segment ids the producer's whole warp steps the walk: KeyTileWalk.)
-    if ((Cfg::kSegmentIds ? tid < 32 : tid == 0) && any)
-      forward_sm90_produce<Cfg>(rt, sm, walk, tile.linear, tile.m0, top);
+    if (Cfg::kSegmentIds ? tid < 32 : tid == 0) {
+      const bool leader = tid == 0;
+      int index = static_cast<int>(blockIdx.x);
+      // n: the CTA's tiles so far; kv: its key tiles loaded so far.
+#pragma unroll 1
+      for (uint32_t n = 0, kv = 0;; ++n) {
+        sm.send_tile(n, index, leader);
+        if (index >= rt.tiles) return;
+        // Taken now and used after the tile's loads, which hide the atomic's latency.
+        int next = leader ? next_persistent_tile(rt) : 0;
+        const FwdTile tile = forward_tile<BM>(p, rt, index);
+        const KeyTileWalk<Cfg> walk = key_tiles(tile, instance_bounds(p, tile.linear));
+        forward_sm90_produce<Cfg>(rt, sm, walk, tile.linear, tile.m0, walk.start(), n, kv);
+        if constexpr (Cfg::kSegmentIds) next = __shfl_sync(0xffffffffu, next, 0);
+        index = next;
+      }
+    }
     return;
   }
   regs_acquire<Cfg::kConsumerRegs>();
   const int ctid = tid - 128;  // among the consumers: warpgroup ctid / 128, warp ctid / 32
-  Acc<Cfg::kHeadDim> o;
-  zero_frags(o);
-  SoftmaxState<1> st;
-  st.init();
-  // The consumers' work under runtime `crt`.
-  auto consume = [&](const FwdRuntime& crt) {
-    if (any) {
-      // What the copies read beyond Q, K and V: the seed, or the score modifiers'. (The
-      // instance's index is formed again for the epilogue: kept alive across the main loop,
-      // it cost the dropout copy spills.)
-      const InstanceIndex inst(p, tile.linear);
-      FwdOperands<T> ops{};
-      if constexpr (Cfg::kDropout) ops.seed = inst.origin<const uint32_t>(p, p.seed);
-      if constexpr (Cfg::kScoreMods) {
-        if (p.has(kHasSegmentIds)) {
-          ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
-          ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+  const int lane = tid % 32;
+  // n: the CTA's tiles so far; kv: its key tiles consumed so far.
+#pragma unroll 1
+  for (uint32_t n = 0, kv = 0;; ++n) {
+    const int index = sm.receive_tile(n, lane);
+    if (index >= rt.tiles) return;
+    const FwdTile tile = forward_tile<BM>(p, rt, index);
+    const InstanceBounds bounds = instance_bounds(p, tile.linear);
+    const Positions pos(p, bounds);
+    const KeyTileWalk<Cfg> walk = key_tiles(tile, bounds);
+    // No visible key for any row (or all rows padding), or no key tile that shares an id
+    // with them: nothing is loaded, and the epilogue alone writes O = 0 and lse = -inf.
+    const int top = walk.start();
+    const bool any = walk.visits(top);
+    Acc<Cfg::kHeadDim> o;
+    zero_frags(o);
+    SoftmaxState<1> st;
+    st.init();
+    // The consumers' work under runtime `crt`.
+    auto consume = [&](const FwdRuntime& crt) {
+      if (any) {
+        // What the copies read beyond Q, K and V: the seed, or the score modifiers'. (The
+        // instance's index is formed again for the epilogue: kept alive across the main loop,
+        // it cost the dropout copy spills.)
+        const InstanceIndex inst(p, tile.linear);
+        FwdOperands<T> ops{};
+        if constexpr (Cfg::kDropout) ops.seed = inst.origin<const uint32_t>(p, p.seed);
+        if constexpr (Cfg::kScoreMods) {
+          if (p.has(kHasSegmentIds)) {
+            ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
+            ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+          }
+          ops.alibi2 = 1.4426950408889634f * alibi_slope(p, tile.linear);
         }
-        ops.alibi2 = 1.4426950408889634f * alibi_slope(p, tile.linear);
+        forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, warpgroup - 1, ctid % 128, n,
+                                  kv);
+      } else {
+        // Q's phase completed without a load: nothing to read, and with O in a buffer of
+        // its own nothing to wait for before releasing it.
+        mbar_wait(sm.q_full(), n & 1u);
+        if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
       }
-      forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, warpgroup - 1, ctid % 128);
-    }
-    const InstanceIndex inst(p, tile.linear);
-    void* const o_origin =
-        p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
-    float* const lse_origin = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
-    // Each warp writes O into its own 16 rows of the Q tile, which only its
-    // warpgroup's products read, and those are complete.
-    forward_epilogue<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, sm.q(), o, st, ctid);
-  };
-  // A scale operand runs the kScoreMods copy only: the others read the launch's runtime in
-  // place (a copy of it cost the dropout copy spills).
-  if constexpr (Cfg::kScoreMods) consume(with_scale_operand(p, rt, tile.linear));
-  else consume(rt);
+      const InstanceIndex inst(p, tile.linear);
+      void* const o_origin =
+          p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
+      float* const lse_origin = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
+      // Each warp stages O through its own 16 rows of O's buffer. Without kSeparateO that is
+      // Q's, whose rows only the warp's warpgroup's products read, and those are complete;
+      // the next Q may load once every warp is done with them (the generic proxy's accesses
+      // ordered before the TMA's writes, the warp's lanes all done).
+      // (Its addresses from opaque values: see opaque.)
+      const typename Cfg::QTile so{opaque(sm.o().ptr)};
+      forward_epilogue<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, so, o, st, opaque(ctid));
+      if constexpr (!Cfg::kSeparateO) {
+        fence_proxy_async_shared();
+        __syncwarp();
+        mbar_arrive_if(sm.q_empty(), lane == 0);
+      }
+    };
+    // A scale operand runs the kScoreMods copy only: the others read the launch's runtime in
+    // place (a copy of it cost the dropout copy spills).
+    if constexpr (Cfg::kScoreMods) consume(with_scale_operand(p, rt, tile.linear));
+    else consume(rt);
+  }
 #else
   (void)p, (void)launch_rt;
 #endif

@@ -1,12 +1,16 @@
-// The sm_90 forward's two roles over one CTA's key tiles: the producer
+// The sm_90 forward's two roles over one query tile's key tiles: the producer
 // thread's TMA loads and a consumer warpgroup's products and softmax.
 //
-// Pipeline: Q once; K and V through kStages buffers each, every buffer with a
-// "full" transaction mbarrier (the TMA counts its bytes) and an "empty" one
-// (each consumer warp arrives when its products no longer read it). Key tiles
-// go from the last to the first, as in the mma.sync kernel (fwd_mainloop.h),
-// so the one tile with rows past kv_len comes first. The producer loads K of
-// tile i + 1 before V of tile i, the order the consumers use them in.
+// Pipeline: Q once per query tile, with a "full" transaction mbarrier (the TMA
+// counts its bytes) and an "empty" one that each consumer warp arrives on when
+// nothing reads the buffer any more; K and V through kStages buffers each, with
+// the same pair of mbarriers per buffer. A CTA computes query tile after query
+// tile (fwd_sm90_kernel.h), so every barrier's phase follows a count that runs
+// over the CTA's whole life: the query tiles for Q's, the key tiles loaded so
+// far for the stages'. Key tiles go from the last to the first, as in the
+// mma.sync kernel (fwd_mainloop.h), so the one tile with rows past kv_len comes
+// first. The producer loads K of tile i + 1 before V of tile i, the order the
+// consumers use them in.
 //
 // A consumer warpgroup owns 64 query rows and runs rounds r = 0 .. n (n key
 // tiles); round r issues
@@ -54,10 +58,10 @@ template <class Cfg>
 struct KeyTileWalk {
   static constexpr int BN = Cfg::kBlockN;
   const SegmentTiles& segments;
-  int64_t linear;
+  int linear;  // the instance (32 bits: fwd_schedule.h)
   int q_tile, first, last, lane;
 
-  __device__ __forceinline__ KeyTileWalk(const SegmentTiles& segments, int64_t linear, int m0, const KeyRange& keys,
+  __device__ __forceinline__ KeyTileWalk(const SegmentTiles& segments, int linear, int m0, const KeyRange& keys,
                                          int lane)
       : segments(segments),
         linear(linear),
@@ -93,39 +97,79 @@ struct KeyTileWalk {
 constexpr int kTurnBarrier = 1;  // + warpgroup
 constexpr int kZeroVBarrier = 3;
 
-// The CTA's shared memory: Q (then O on its way out), the K and V stages and
-// the mbarriers, from a 1024-byte aligned base (the 128-byte swizzle's atom).
+// The CTA's shared memory: Q, O on its way out (its own buffer with
+// Cfg::kSeparateO, else Q's), the K and V stages, the mbarriers and the tile
+// slots through which the producer hands the consumers their next query tile,
+// from a 1024-byte aligned base (the 128-byte swizzle's atom).
 template <class Cfg>
 struct FwdSm90Smem {
-  static constexpr int S = Cfg::kStages;
+  static constexpr int S = Cfg::kStages, kSlots = Cfg::kTileSlots;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
-  static constexpr int kKOff = QTile::kBytes;
+  static constexpr int kOOff = Cfg::kSeparateO ? QTile::kBytes : 0;
+  static constexpr int kKOff = kOOff + QTile::kBytes;
   static constexpr int kVOff = kKOff + S * KTile::kBytes;
   static constexpr int kBarOff = kVOff + S * KTile::kBytes;
-  static constexpr int kBytes = kBarOff + (1 + 4 * S) * 8 + 1024;  // + the alignment slack
+  static constexpr int kBarriers = 2 + 2 * kSlots + 4 * S;
+  static constexpr int kSlotOff = kBarOff + kBarriers * 8;
+  static constexpr int kBytes = kSlotOff + kSlots * 4 + 1024;  // + the alignment slack
 
   char* base;
   __device__ __forceinline__ QTile q() const { return QTile{base}; }
+  __device__ __forceinline__ QTile o() const { return QTile{base + kOOff}; }
   __device__ __forceinline__ KTile k(int s) const { return KTile{base + kKOff + s * KTile::kBytes}; }
   __device__ __forceinline__ KTile v(int s) const { return KTile{base + kVOff + s * KTile::kBytes}; }
   __device__ __forceinline__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(base + kBarOff) + i; }
   __device__ __forceinline__ uint64_t* q_full() const { return bar(0); }
-  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(1 + s); }
-  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(1 + S + s); }
-  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(1 + 2 * S + s); }
-  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(1 + 3 * S + s); }
+  __device__ __forceinline__ uint64_t* q_empty() const { return bar(1); }
+  __device__ __forceinline__ uint64_t* tile_full(int s) const { return bar(2 + s); }
+  __device__ __forceinline__ uint64_t* tile_empty(int s) const { return bar(2 + kSlots + s); }
+  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(2 + 2 * kSlots + s); }
+  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(2 + 2 * kSlots + S + s); }
+  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(2 + 2 * kSlots + 2 * S + s); }
+  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(2 + 2 * kSlots + 3 * S + s); }
+  __device__ __forceinline__ int* tile_slot(int s) const { return reinterpret_cast<int*>(base + kSlotOff) + s; }
 
-  // By one thread, before a CTA barrier.
+  // By one thread, before a CTA barrier. The "empty" barriers take one arrival per
+  // consumer warp (its lane 0, after the warp is done with the buffer).
   __device__ __forceinline__ void init_barriers() const {
+    constexpr int kConsumerWarps = Cfg::kConsumerThreads / 32;
     mbar_init(q_full(), 1);
+    mbar_init(q_empty(), kConsumerWarps);
+    for (int s = 0; s < kSlots; ++s) {
+      mbar_init(tile_full(s), 1);
+      mbar_init(tile_empty(s), kConsumerWarps);
+    }
     for (int s = 0; s < S; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
-      mbar_init(k_empty(s), Cfg::kConsumerThreads / 32);
-      mbar_init(v_empty(s), Cfg::kConsumerThreads / 32);
+      mbar_init(k_empty(s), kConsumerWarps);
+      mbar_init(v_empty(s), kConsumerWarps);
     }
     mbar_init_fence();
+  }
+
+  // The n-th query tile of the CTA (n counts from 0 over its life), by the producer
+  // (`leader` writes) to the consumers: its index, or one >= rt.tiles for the end. The
+  // slot is free once every consumer warp has read what it held kSlots tiles before.
+  __device__ __forceinline__ void send_tile(uint32_t n, int tile, bool leader) const {
+    const Stage<kSlots> slot(n);
+    mbar_wait(tile_empty(slot.index), slot.parity ^ 1u);
+    if (leader) {
+      *tile_slot(slot.index) = tile;
+      mbar_arrive(tile_full(slot.index));  // a release: the index is visible to whoever sees the phase
+    }
+  }
+  // Its receipt, by every consumer thread.
+  __device__ __forceinline__ int receive_tile(uint32_t n, int lane) const {
+    const Stage<kSlots> slot(n);
+    mbar_wait(tile_full(slot.index), slot.parity);
+    const int tile = *tile_slot(slot.index);
+    // Every lane has read it (and, program order, finished the previous tile's epilogue,
+    // whose reads of O's buffer the next epilogue's writes must follow).
+    __syncwarp();
+    mbar_arrive_if(tile_empty(slot.index), lane == 0);
+    return tile;
   }
 };
 
@@ -147,23 +191,24 @@ __device__ __forceinline__ void tma_load_tile(const FwdTmaOperand& op, const int
 }
 
 // The producer (one warp, whose lane 0 issues every copy; the whole warp steps
-// the walk): Q, then the walk's key tiles from `top` down, each buffer once its
-// previous tile's readers released it.
+// the walk) over the CTA's n-th query tile: Q, and the walk's key tiles from
+// `top` down, the first of them kv-th of the CTA's life (kv ends past the
+// tile's last), each buffer once its previous contents' readers released it.
+// K of the first key tile goes before Q: with O in Q's buffer Q waits for the
+// previous tile's epilogue, K only for its products. A tile with no key tile to
+// visit (`top` not visited) loads nothing: Q's phase completes without bytes,
+// so that its count stays the tile count on both sides.
 template <class Cfg>
 __device__ __forceinline__ void forward_sm90_produce(const FwdRuntime& rt, const FwdSm90Smem<Cfg>& sm,
-                                                     const KeyTileWalk<Cfg>& walk, int64_t linear, int m0, int top) {
+                                                     const KeyTileWalk<Cfg>& walk, int linear, int m0, int top,
+                                                     uint32_t n, uint32_t& kv) {
   constexpr int S = Cfg::kStages;
   const bool leader = walk.lane == 0;
-  int qc[3], kc[3], vc[3];
-  rt.tma_q.instance_coords(linear, qc);
+  const bool any = walk.visits(top);
+  int kc[3], vc[3];
   rt.tma_k.instance_coords(linear, kc);
   rt.tma_v.instance_coords(linear, vc);
-  if (leader) {
-    mbar_arrive_expect_tx(sm.q_full(), Cfg::QTile::kBytes);
-    tma_load_tile(rt.tma_q, qc, sm.q_full(), sm.q(), m0);
-  }
-
-  auto load_k = [&](int i, int n0) {
+  auto load_k = [&](uint32_t i, int n0) {
     const Stage<S> st(i);
     mbar_wait(sm.k_empty(st.index), st.parity ^ 1u);
     if (leader) {
@@ -171,12 +216,25 @@ __device__ __forceinline__ void forward_sm90_produce(const FwdRuntime& rt, const
       tma_load_tile(rt.tma_k, kc, sm.k_full(st.index), sm.k(st.index), n0);
     }
   };
-  load_k(0, top);
+  if (any) load_k(kv, top);
+
+  mbar_wait(sm.q_empty(), (n & 1u) ^ 1u);
+  if (leader) {
+    if (any) {
+      int qc[3];
+      rt.tma_q.instance_coords(linear, qc);
+      mbar_arrive_expect_tx(sm.q_full(), Cfg::QTile::kBytes);
+      tma_load_tile(rt.tma_q, qc, sm.q_full(), sm.q(), m0);
+    } else {
+      mbar_arrive(sm.q_full());
+    }
+  }
+
 #pragma unroll 1
-  for (int i = 0, n0 = top; walk.visits(n0); ++i) {
+  for (int n0 = top; walk.visits(n0); ++kv) {
     const int next = walk.next(n0);
-    if (walk.visits(next)) load_k(i + 1, next);
-    const Stage<S> st(i);
+    if (walk.visits(next)) load_k(kv + 1, next);
+    const Stage<S> st(kv);
     mbar_wait(sm.v_empty(st.index), st.parity ^ 1u);
     if (leader) {
       mbar_arrive_expect_tx(sm.v_full(st.index), Cfg::KTile::kBytes);
@@ -201,17 +259,19 @@ __device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_en
 }
 
 // One consumer warpgroup (wg = 0 .. kConsumers - 1, warp-uniform; tid its thread index,
-// 0..127) over the walk's key tiles from `top` down: on return o holds its rows'
-// unnormalised output and st their softmax state. ops: the instance's dropout
-// seed words (Cfg::kDropout), or the score modifiers' operands (Cfg::kScoreMods:
-// segment ids, ALiBi's slope). Rounds 0 and n are peeled off, so that no product
-// is issued under a condition.
+// 0..127) over the walk's key tiles from `top` down (at least one) of the CTA's n-th
+// query tile: on return o holds its rows' unnormalised output and st their softmax
+// state. The first key tile is the kv-th of the CTA's life; kv ends past the last. ops: the
+// instance's dropout seed words (Cfg::kDropout), or the score modifiers' operands
+// (Cfg::kScoreMods: segment ids, ALiBi's slope). Rounds 0 and n are peeled off, so
+// that no product is issued under a condition.
 template <class Cfg>
 __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, const FwdRuntime& rt,
                                                      const Positions& pos, const FwdSm90Smem<Cfg>& sm,
                                                      const KeyTileWalk<Cfg>& walk,
                                                      const FwdOperands<typename Cfg::T>& ops, int m0, int top,
-                                                     Acc<Cfg::kHeadDim>& o, SoftmaxState<1>& st, int wg, int tid) {
+                                                     Acc<Cfg::kHeadDim>& o, SoftmaxState<1>& st, int wg, int tid,
+                                                     uint32_t n, uint32_t& kv) {
   using T = typename Cfg::T;
   constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim, S = Cfg::kStages;
   const int lane = tid % 32, warp = tid / 32;
@@ -232,12 +292,13 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       Cfg::kDropout ? make_dropout_key(ops.seed, p.seed.col_stride, p.keep_threshold) : DropoutKey{};
   const FragRowKeys<1> dropout_rows(dropout, Cfg::kDropout ? warp_row0 : 0, lane);
 
+  // Round i's buffers: the kv + i-th of the CTA's life.
   auto wait_k = [&](int i) {
-    const Stage<S> st(i);
+    const Stage<S> st(kv + i);
     mbar_wait(sm.k_full(st.index), st.parity);
   };
   auto wait_v = [&](int i) {
-    const Stage<S> st(i);
+    const Stage<S> st(kv + i);
     mbar_wait(sm.v_full(st.index), st.parity);
     if (i == 0 && zero_v) {
       if (wg == 0) {
@@ -258,13 +319,13 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       if (!(last_turn && wg == 1)) named_arrive(kTurnBarrier + (1 - wg), Cfg::kConsumerThreads);
   };
   auto issue_s = [&](int i) {
-    const GmmaOperand<typename Cfg::KTile, false> k_op(sm.k(Stage<S>(i).index), 0);
+    const GmmaOperand<typename Cfg::KTile, false> k_op(sm.k(Stage<S>(kv + i).index), 0);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BN, false, false>(s, q_op.step(kk), k_op.step(kk), kk > 0);
     wgmma_commit();
   };
   auto issue_pv = [&](int i) {
-    const GmmaOperand<typename Cfg::KTile, true> v_op(sm.v(Stage<S>(i).index), 0);
+    const GmmaOperand<typename Cfg::KTile, true> v_op(sm.v(Stage<S>(kv + i).index), 0);
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) wgmma_rs<T, D, true>(o, pa[j], v_op.step(j), true);
     wgmma_commit();
@@ -272,7 +333,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   // S_i (keys n0..) has landed: release K_i, mask, softmax.
   auto softmax = [&](int i, int n0) {
     hold_acc(s);
-    mbar_arrive_if(sm.k_empty(Stage<S>(i).index), lane == 0);
+    mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
     if constexpr (Cfg::kScoreMods) {
       score_tile<Cfg>(s, p, rt, pos, ops, warp_row0, n0, full.contain(n0), walk.needs_id_test(n0), lane);
     } else if (!full.contain(n0)) {
@@ -289,11 +350,13 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   // O += P_i V_i has landed: release V_i.
   auto pv_done = [&](int i) {
     hold_acc(o);
-    mbar_arrive_if(sm.v_empty(Stage<S>(i).index), lane == 0);
+    mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
   };
 
-  mbar_wait(sm.q_full(), 0);
-  if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);  // warpgroup 0 goes first
+  mbar_wait(sm.q_full(), n & 1u);
+  // Warpgroup 0 goes first. Each query tile's turns balance on both barriers
+  // (warpgroup 1's last turn hands over none), so the next tile starts afresh.
+  if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
 
   wait_k(0);  // round 0: S_0 alone
   begin_turn();
@@ -320,12 +383,17 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     rescale_row(o, 0, 1, alpha[1]);
     to_p();
   }
+  // Every S product is done (the last softmax read it): with O in a buffer of its own
+  // nothing reads Q any more, and the next tile's may load during the last P V and
+  // the epilogue.
+  if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
   wait_v(r - 1);  // round n: the last P V
   begin_turn();
   issue_pv(r - 1);
   end_turn(true);
   wgmma_wait<0>();
   pv_done(r - 1);
+  kv += r;
 }
 
 }  // namespace jaxflash::gpu

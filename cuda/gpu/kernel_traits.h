@@ -80,9 +80,11 @@ struct FwdTmaOperand {
   int rank;
   int64_t inst_div[3], inst_size[3];
 
-  __device__ __forceinline__ void instance_coords(int64_t linear, int (&c)[3]) const {
+  // In 32 bits: instances fit in an int where this kernel runs (its tiles do, fwd_launch.h),
+  // and the persistent producer decodes every tile in 24 registers.
+  __device__ __forceinline__ void instance_coords(int linear, int (&c)[3]) const {
 #pragma unroll
-    for (int i = 0; i < 3; ++i) c[i] = static_cast<int>(linear / inst_div[i] % inst_size[i]);
+    for (int i = 0; i < 3; ++i) c[i] = linear / static_cast<int>(inst_div[i]) % static_cast<int>(inst_size[i]);
   }
 };
 
@@ -110,6 +112,10 @@ struct FwdRuntime {
   // The grid's instance groups (fwd_schedule.h).
   int sms;             // the device's multiprocessors (forward.cu)
   int64_t tile_group;  // instances per group (the launcher)
+  // The persistent sm_90 kernel's tiles (the launcher) and the counter its CTAs take them
+  // from (next_persistent_tile), 4 bytes of the forward's workspace (forward.cu).
+  int tiles;
+  unsigned* tile_counter;
   // The sm_90 kernel runs (forward.cu: the device runs sm_90a code, the case
   // is covered, every operand has a TMA descriptor), with these descriptors.
   bool sm90;

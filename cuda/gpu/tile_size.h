@@ -50,7 +50,8 @@ namespace jaxflash::gpu {
 // BLOCK_N = 128 keys per tile: S is a 64 x 128 accumulator (64 registers per
 // thread) beside O (D / 2) and P as the next product's A operand (32).
 //   D = 128: BLOCK_M = 128, two consumers of 240 registers. Two stages of K
-//            and V: (128 + 4 x 128) x 128 x 2 bytes = 160 KB, one CTA per SM.
+//            and V: (128 + 4 x 128) x 128 x 2 bytes = 160 KB, one CTA per SM
+//            (+ 32 KB for O: persistent, below).
 //   D = 64:  BLOCK_M = 192, three consumers of 160 registers (FlashAttention-3's
 //            shape): at D = 64 the products are short beside the softmax, and a
 //            third warpgroup keeps the tensor cores fed. Measured against
@@ -72,9 +73,16 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
 // still with two consumers then, they cost 2-4% at N >= 4k; with three there
 // are no turns.
 //
-// Tried and not kept: a persistent grid with a static order of the tiles
-// (branch sm90-persistent-2): 0.82-1.05 of this grid on the H100, behind under
-// causal masking (docs/DESIGN.md's known gaps).
+// Persistent (fwd_sm90_kernel.h): one CTA per SM takes query tiles from an
+// atomic counter, so the next tile's Q and K / V load while the current one
+// finishes. O stages through a buffer of its own (kSeparateO), so that Q is free
+// once the tile's last S product is done: D = 128 160 + 32 KB, D = 64 88 + 24 KB
+// (the kScoreMods copy 80 + 16). At D = 256 Q, K and V take 192 KB and another
+// 64 KB would pass the 227 KB a CTA may have: O reuses Q's buffer there, and the
+// next Q loads only after the epilogue (the next tile's first K before it). Not
+// yet measured. Tried before and not kept: a persistent grid with a static order
+// of the tiles (branch sm90-persistent-2): 0.82-1.05 of the non-persistent grid
+// on the H100, behind under causal masking (docs/DESIGN.md's known gaps).
 //
 // The copy with score modifiers (kScoreMods: soft-cap, ALiBi, segment ids, a
 // folded scale) at D = 64 takes D = 128's shape: at 160 registers its
@@ -86,14 +94,18 @@ struct FwdSm90TileSize {
   static constexpr int kBlockN = D == 256 ? 64 : 128;
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = !kThreeConsumers;  // two consumers take turns
+  static constexpr bool kSeparateO = D != 256;  // O's own staging buffer (above)
+  static constexpr int kTileSlots = 2;  // tiles the producer may hand over ahead of the consumers
 };
 
-// Its shared memory: Q, kStages K and V tiles, the mbarriers and 1 KB to
-// align the base to the swizzle's 1024-byte atom (fwd_sm90_mainloop.h).
+// Its shared memory: Q, O where kSeparateO, kStages K and V tiles, the mbarriers
+// (Q's two, the tile slots' two each, four per stage), the tile slots, and 1 KB
+// to align the base to the swizzle's 1024-byte atom (fwd_sm90_mainloop.h).
 template <int D, bool kScoreMods = false>
 constexpr int fwd_sm90_smem_bytes() {
   using Tiles = FwdSm90TileSize<D, kScoreMods>;
-  return (Tiles::kBlockM + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 + (1 + 4 * Tiles::kStages) * 8 + 1024;
+  return (Tiles::kBlockM * (Tiles::kSeparateO ? 2 : 1) + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 +
+         (2 + 2 * Tiles::kTileSlots + 4 * Tiles::kStages) * 8 + Tiles::kTileSlots * 4 + 1024;
 }
 
 }  // namespace jaxflash::gpu

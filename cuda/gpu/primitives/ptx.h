@@ -16,6 +16,20 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// x, through an instruction the compiler cannot see through: what derives from
+// it is computed where it is used, not hoisted out of an enclosing loop. The
+// persistent sm_90 forward's loop over tiles needs it: hoisted out of that loop,
+// the epilogue's per-lane shared-memory addresses stayed live across the main
+// loop, and spilled.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
+}
+__device__ __forceinline__ char* opaque(char* x) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+  return x;
+}
+
 // One 32-bit shared-memory load by shared address (the fp32 fragments that
 // ldmatrix cannot transpose).
 __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {

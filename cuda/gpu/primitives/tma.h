@@ -51,6 +51,14 @@ __device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
 #endif
 }
 
+// One arrival, with release semantics (as every arrival here): what this thread
+// wrote before it is visible to a thread whose wait sees the phase complete.
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if JF_SM90_ASYNC
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
 // One arrival that also announces `bytes` of TMA transactions for this phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
 #if JF_SM90_ASYNC

@@ -329,13 +329,14 @@ void bench(const BenchFilter& only = {}) {
         }
         p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.o.data = o.ptr;
         set_view(p.lse, lse.ptr, int64_t(N) * L * 2, int64_t(L) * 2, 0, 2, 1);
+        DeviceBuffer ws(jaxflash::gpu::forward_workspace_bytes(p.num_instances(), L, L, H, p.dtype, false));
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));
         CHECK_CUDA(cudaEventCreate(&stop));
-        for (int i = 0; i < 3; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr, nullptr));
+        for (int i = 0; i < 3; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, ws.ptr, nullptr));
         const int iters = 20;
         CHECK_CUDA(cudaEventRecord(start));
-        for (int i = 0; i < iters; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, nullptr, nullptr));
+        for (int i = 0; i < iters; ++i) CHECK_CUDA(jaxflash::gpu::launch_forward(p, ws.ptr, nullptr));
         CHECK_CUDA(cudaEventRecord(stop));
         CHECK_CUDA(cudaEventSynchronize(stop));
         float ms;
@@ -459,6 +460,23 @@ int main(int argc, char** argv) {
                    4.f),
       with_softcap(with_alibi({"f32 soft-cap 2 + alibi causal T100 S120 H64", f32, 2, 2, 2, 100, 120, 64, kUnb, 0}),
                    2.f),
+      // More tiles than an H100 has SMs: on Hopper the persistent sm_90 kernel (16-bit D = 64 /
+      // 128 / 256) computes several per CTA, in turn (last in the list, so that the cases
+      // before draw the same inputs as before them). Causal tiles of uneven length, GQA,
+      // lengths (batch 0 has no keys: tiles that load nothing; rows past q_len: tiles of
+      // padding), whole tiles with no visible key (bottom-right causal, T > S) and f32 o,
+      // segment ids that skip key tiles, D = 256 (O staged in Q's buffer).
+      {"bf16 many tiles causal GQA lens B12 N16 K4 T160 S160 H128", bf16, 12, 16, 4, 160, 160, 128, kUnb, 0, false,
+       Bias::kNone, Mask::kNone, true},
+      {"f16 many tiles bottom-right causal T400 S100 H128, f32 o", f16, 4, 16, 4, 400, 100, 128, kUnb, 0, true,
+       Bias::kNone, Mask::kNone, false, Layout::kBTNH, 0.f, true},
+      {"bf16 many tiles causal lens B8 N16 T250 S250 H64", bf16, 8, 16, 16, 250, 250, 64, kUnb, 0, false,
+       Bias::kNone, Mask::kNone, true},
+      with_segments({"f16 many tiles segments docs causal B8 N8 K2 T300 S300 H128", f16, 8, 8, 2, 300, 300, 128,
+                     kUnb, 0},
+                    Segments::kDocs),
+      {"bf16 many tiles causal lens B6 N12 K4 T260 S260 H256", bf16, 6, 12, 4, 260, 260, 256, kUnb, 0, false,
+       Bias::kNone, Mask::kNone, true},
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
