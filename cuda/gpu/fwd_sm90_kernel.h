@@ -31,7 +31,7 @@
 //  - Consumers, tile_full of the n-th tile: the producer sends every index it
 //    takes and, last, one >= rt.tiles, after which the consumers return. Before
 //    sending it waits for tile_empty of tile n - kTileSlots, on which every
-//    consumer warp arrived on receiving that tile, waiting for nothing else.
+//    consumer thread arrived on receiving that tile, waiting for nothing else.
 //  - Consumers, q_full (phase n): the producer completes it for every tile it
 //    sends (Q's bytes, or its arrival alone for a tile that loads nothing), after
 //    q_empty (phase n - 1), on which every consumer warp arrives within tile
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // n: the CTA's tiles so far; kv: its key tiles consumed so far.
 #pragma unroll 1
   for (uint32_t n = 0, kv = 0;; ++n) {
-    const int index = sm.receive_tile(n, lane);
+    const int index = sm.receive_tile(n);
     if (index >= rt.tiles) return;
     const FwdTile tile = forward_tile<BM>(p, rt, index);
     const InstanceBounds bounds = instance_bounds(p, tile.linear);

@@ -131,14 +131,17 @@ struct FwdSm90Smem {
   __device__ __forceinline__ int* tile_slot(int s) const { return reinterpret_cast<int*>(base + kSlotOff) + s; }
 
   // By one thread, before a CTA barrier. The "empty" barriers take one arrival per
-  // consumer warp (its lane 0, after the warp is done with the buffer).
+  // consumer warp (its lane 0, after the warp is done with the buffer), but for the tile
+  // slots': one per consumer thread, each after its own read of the slot (with one per
+  // warp, compute-sanitizer's racecheck saw the other lanes' reads unordered before the
+  // producer's next write, __syncwarp notwithstanding).
   __device__ __forceinline__ void init_barriers() const {
     constexpr int kConsumerWarps = Cfg::kConsumerThreads / 32;
     mbar_init(q_full(), 1);
     mbar_init(q_empty(), kConsumerWarps);
     for (int s = 0; s < kSlots; ++s) {
       mbar_init(tile_full(s), 1);
-      mbar_init(tile_empty(s), kConsumerWarps);
+      mbar_init(tile_empty(s), Cfg::kConsumerThreads);
     }
     for (int s = 0; s < S; ++s) {
       mbar_init(k_full(s), 1);
@@ -161,14 +164,14 @@ struct FwdSm90Smem {
     }
   }
   // Its receipt, by every consumer thread.
-  __device__ __forceinline__ int receive_tile(uint32_t n, int lane) const {
+  __device__ __forceinline__ int receive_tile(uint32_t n) const {
     const Stage<kSlots> slot(n);
     mbar_wait(tile_full(slot.index), slot.parity);
     const int tile = *tile_slot(slot.index);
-    // Every lane has read it (and, program order, finished the previous tile's epilogue,
-    // whose reads of O's buffer the next epilogue's writes must follow).
+    mbar_arrive(tile_empty(slot.index));
+    // Every lane has finished the previous tile's epilogue, whose reads of O's buffer the
+    // next epilogue's writes must follow.
     __syncwarp();
-    mbar_arrive_if(tile_empty(slot.index), lane == 0);
     return tile;
   }
 };
