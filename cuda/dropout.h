@@ -23,6 +23,15 @@
 // their counter for a fixed key, so pairs of one row never share a value.
 // (seed0, seed1) are two words of jax.random.bits of the user's key, per
 // instance (or one pair for all, broadcast_dropout).
+//
+// t and s are positions in the whole problem. A call on a block of it (ring
+// attention: a device's queries against a visiting block of keys) gets the
+// block's place with its seed (kDropoutOffsets: the seed operand's words 2 and 3,
+// row_offset and col_offset) and hashes t + row_offset and s + col_offset, so
+// that it drops exactly the entries the unsharded call drops. Positions enter
+// the hash mod 2^32, so 32-bit offsets are exact. col_offset is a multiple of 16
+// (jaxflash/ring.py keeps it so): then key s of the block pairs with s + 8 as key
+// s + col_offset does, and each kernel's lane still holds both keys of a pair.
 #pragma once
 
 #include <cstdint>
@@ -58,30 +67,39 @@ JF_HOST_DEVICE uint32_t dropout_pair_bits(uint32_t row_key, uint32_t pair) {
 JF_HOST_DEVICE bool dropout_keep_lower(uint32_t bits, uint32_t threshold) { return (bits & 0xFFFFu) < threshold; }
 JF_HOST_DEVICE bool dropout_keep_upper(uint32_t bits, uint32_t threshold) { return (bits >> 16) < threshold; }
 
-// One instance's dropout: its seed words and the rate's threshold.
+// One instance's dropout: its seed words, the rate's threshold, and the place of
+// the call's block in the whole problem (0, 0 for a whole problem).
 // (All zero, threshold 0, when dropout is off: never consulted then.)
 struct DropoutKey {
   uint32_t seed0 = 0, seed1 = 0, threshold = 0;
+  uint32_t row_offset = 0, col_offset = 0;
 
-  JF_HOST_DEVICE uint32_t row_key(int64_t t) const { return dropout_row_key(seed0, seed1, t); }
-  // Entry (t, s) alone (a kernel holding both keys of a pair hashes it once).
+  JF_HOST_DEVICE uint32_t row_key(int64_t t) const {
+    return dropout_row_key(seed0, seed1, static_cast<uint32_t>(t) + row_offset);
+  }
+  // The pair of the block's key s.
+  JF_HOST_DEVICE uint32_t pair(int64_t s) const { return dropout_pair(static_cast<uint32_t>(s) + col_offset); }
+  // Entry (t, s) alone (a kernel holding both keys of a pair hashes it once). s decides
+  // lower or upper as s + col_offset does: col_offset is a multiple of 16.
   JF_HOST_DEVICE bool keep(uint32_t row_key, int64_t s) const {
-    const uint32_t bits = dropout_pair_bits(row_key, dropout_pair(s));
+    const uint32_t bits = dropout_pair_bits(row_key, pair(s));
     return s & 8 ? dropout_keep_upper(bits, threshold) : dropout_keep_lower(bits, threshold);
   }
 };
 
-// words: the instance's 2 seed words, word_stride apart (the seed view's col stride).
-JF_HOST_DEVICE DropoutKey make_dropout_key(const uint32_t* words, int64_t word_stride, uint32_t keep_threshold) {
-  return {words[0], words[word_stride], keep_threshold};
+// words: the instance's seed words, p.seed.col_stride apart: the 2 seed words, then with
+// kDropoutOffsets the block's row and column offsets.
+JF_HOST_DEVICE DropoutKey make_dropout_key(const AttentionParams& p, const uint32_t* words) {
+  const int64_t w = p.seed.col_stride;
+  const bool placed = p.has(kDropoutOffsets);
+  return {words[0], words[w], p.keep_threshold, placed ? words[2 * w] : 0u, placed ? words[3 * w] : 0u};
 }
 
 // The dropout of instance `linear`, or the unused all-zero key without kDropout
 // (host code and the CPU kernels; the CUDA kernels use their InstanceIndex).
 inline DropoutKey dropout_key(const AttentionParams& p, int64_t linear) {
   if (!p.has(kDropout)) return {};
-  return make_dropout_key(static_cast<const uint32_t*>(p.seed.data) + instance_offset(p, p.seed, linear),
-                          p.seed.col_stride, p.keep_threshold);
+  return make_dropout_key(p, static_cast<const uint32_t*>(p.seed.data) + instance_offset(p, p.seed, linear));
 }
 
 }  // namespace jaxflash

@@ -40,7 +40,7 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   lse                         : row = query position,    col = hi, lo (2 floats; below)
 //   delta                       : row = query position,    col unused
 //   q_lens, kv_lens             : instance strides only
-//   seed                        : col = word (2 uint32 per instance), no rows
+//   seed                        : col = word (2 uint32 per instance, 4 with kDropoutOffsets), no rows
 //   q_segment_ids, kv_segment_ids : row = query / key position, no cols
 //   alibi_slopes                  : instance strides only (one slope per query head)
 //   dalibi                        : row = query position, col unused
@@ -83,6 +83,10 @@ enum Flags : int64_t {
   // input dtype (the scale's own gradient is dscale's, below).
   kScaleOperand = 1 << 13,
   kHasDscale = 1 << 14,  // backward: write dscale (needs kScaleOperand), reading dscale_centre
+  // The seed operand also holds the place of the call's block in the whole problem (its words
+  // 2 and 3: the first query row's and key's positions; dropout.h), which the dropout's hash
+  // adds to the block's own: ring attention's blocks drop what the unsharded call drops.
+  kDropoutOffsets = 1 << 15,
 };
 
 // Sentinel for an unbounded side of the attention window.
@@ -141,7 +145,10 @@ struct AttentionParams {
 
   // Forward operands and results.
   ArrayView q, k, v, bias, mask, q_lens, kv_lens;  // mask: uint8 (XLA PRED); lens: int32
-  ArrayView seed;                                  // uint32: the dropout seed of each instance
+  // uint32: the dropout seed of each instance (2 words), and with kDropoutOffsets the row and
+  // column offsets of the call's block (2 more, dropout.h). Words on the device, not attributes:
+  // ring attention's offsets depend on the device, and one SPMD program runs on all of them.
+  ArrayView seed;
   ArrayView q_segment_ids, kv_segment_ids;         // int32, one id per query / key position
   ArrayView alibi_slopes;                          // float32, one slope per instance (query head)
   // lse: float32, in base 2, as an unevaluated sum of two floats per row, col 0 = hi and

@@ -401,7 +401,8 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
                    precision: str | jax.lax.Precision | None = None, return_residual: bool = False,
                    logits_soft_cap: float | None = None, query_seq_lengths=None,
                    key_value_seq_lengths=None, query_segment_ids=None,
-                   key_value_segment_ids=None):
+                   key_value_segment_ids=None, dropout_rate: float = 0.0,
+                   dropout_rng: jax.Array | None = None, broadcast_dropout: bool = False):
   """Attention over a sequence sharded along the mesh axis ``axis_name``, for use inside
   :func:`jax.shard_map`: ring attention (K/V blocks travel round the devices of the axis by
   collective permutes; each device merges its queries' partial results by their logsumexp).
@@ -427,8 +428,15 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
   :func:`attention`'s ``(B,)``, the same on every device: lengths of the whole sequence, in
   its positions (top-left aligned), whatever the order.
 
+  ``dropout_rate``, ``dropout_rng`` and ``broadcast_dropout`` are :func:`attention`'s. With the
+  same key on every device (replicated into the shard_map), the ring drops exactly the entries
+  that :func:`attention` drops on the whole sequence for that key (:func:`jaxflash.dropout_mask`):
+  each kernel call hashes the positions of its rows and keys in the whole sequence. The hash
+  pairs keys from multiples of 16, so key blocks (``"zigzag"``: chunks, ``S/(2n)``) must be a
+  multiple of 16 long; in the zig-zag order each step runs as two kernel calls of a chunk each.
+
   Returns this device's block of the output (and, with ``return_residual``, of the logsumexp).
-  Differentiable (the backward is a ring too). Bias, mask, dropout and ALiBi are not supported
+  Differentiable (the backward is a ring too). Bias, mask and ALiBi are not supported
   yet; with ``jax.jit`` on sequence-sharded operands,
   :func:`attention` runs this ring itself (``docs/DESIGN.md``, Multi-device).
   """
@@ -438,7 +446,8 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
                        query_segment_ids=query_segment_ids,
-                       key_value_segment_ids=key_value_segment_ids)
+                       key_value_segment_ids=key_value_segment_ids, dropout_rate=dropout_rate,
+                       dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
   ring = ring_lib.Ring(call.config, axis_name, order)
   if call.is_empty:
     out = jnp.zeros(_output_shape(call), call.q.dtype)
@@ -452,7 +461,7 @@ def ring_attention(query, key, value, *, axis_name: str | tuple[str, ...],
 
 
 # `scale`: the scale operand (validation.Call), None for a static scale; `operands`: the
-# present ones of ring_lib.RING_OPERANDS by slot (integers: no cotangent).
+# present ones of ring_lib.RING_OPERANDS by slot (integers and seed words: no cotangent).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _ring(q, k, v, scale, operands, ring: ring_lib.Ring):
   out32, lse2 = ring_lib.forward(q, k, v, ring, scale, operands)
@@ -486,7 +495,8 @@ def _ring_bwd(ring, residuals, cotangents):
 
 def _ring_dscale_centre(q, k, scale, operands, ring: ring_lib.Ring):
   """_dscale_centre's E for this device's query block: a ring forward of attention(q, k, v=k)
-  over the whole sequence, with the call's ring operands (lengths, segment ids)."""
+  over the whole sequence, with the call's ring operands (lengths, segment ids; no dropout)."""
+  operands = {slot: x for slot, x in operands.items() if slot != "seed"}
   out32, _lse2 = ring_lib.forward(q, k, k, dataclasses.replace(ring, config=_centre_config(ring.config)),
                                   scale, operands)
   return _centre_rows(q, out32, scale, ring.config)

@@ -44,6 +44,10 @@ class Flag(enum.IntFlag):
   # backward: write dscale, the scale operand's gradient per key row, centred on the
   # dscale_centre operand's rows
   HAS_DSCALE = 1 << 14
+  # The seed operand's words 2 and 3 are the place of the call's block in the whole problem (the
+  # sequence positions of its first query and key), which the dropout's hash adds to its own:
+  # ring attention's blocks drop the entries the unsharded call drops (cuda/dropout.h).
+  DROPOUT_OFFSETS = 1 << 15
 
 
 UNBOUNDED = -1  # kUnbounded: an open side of the attention window

@@ -12,6 +12,10 @@ debugging or for a reference implementation (the tests compare the two).
   bits(t, s) = mix(row_key(t) ^ pair(s) * 0x9E3779B9)
   keep(t, s) = (bits % 2**16 if s % 16 < 8 else bits // 2**16) < keep_threshold
 
+t and s are positions in the whole problem (mod 2**32): ring attention's kernel calls, each on a
+block of it, add the block's first row and key to their own (``keep_from_seeds``' offsets), and
+so drop what one call on the whole sequence drops.
+
 One hash decides two entries from 16 bits each, so the rate resolves to 2**-16: an entry is
 kept with probability keep_threshold / 2**16, keep_threshold = round(2**16 (1 - rate)) (at
 least 1), and kept entries are scaled by 1 / (1 - rate).
@@ -65,11 +69,14 @@ def _mix(x):
   return x ^ (x >> 16)
 
 
-def keep_from_seeds(seed_words, seqlen_q: int, seqlen_k: int, threshold: int) -> jax.Array:
-  """Bool (..., T, S) keep mask from seed words (..., 2): cuda/dropout.h in jnp."""
+def keep_from_seeds(seed_words, seqlen_q: int, seqlen_k: int, threshold: int, row_offset: int = 0,
+                    col_offset: int = 0) -> jax.Array:
+  """Bool (..., T, S) keep mask from seed words (..., 2): cuda/dropout.h in jnp. The offsets
+  place the block in a larger problem: its entry (t, s) is that problem's (row_offset + t,
+  col_offset + s)."""
   seed0, seed1 = seed_words[..., 0, None], seed_words[..., 1, None]
-  t = jnp.arange(seqlen_q, dtype=jnp.uint32)
-  s = jnp.arange(seqlen_k, dtype=jnp.uint32)
+  t = jnp.arange(seqlen_q, dtype=jnp.uint32) + np.uint32(row_offset % 2**32)
+  s = jnp.arange(seqlen_k, dtype=jnp.uint32) + np.uint32(col_offset % 2**32)
   row_key = _mix(_mix(t + seed0) ^ seed1)                      # (..., T)
   pair = ((s >> 4) << 3) | (s & 7)
   bits = _mix(row_key[..., :, None] ^ (pair * _GOLDEN))        # (..., T, S)

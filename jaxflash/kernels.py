@@ -12,7 +12,9 @@ lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, 
 lo, whose sum is exact (cuda/params.h says why); jaxflash.attention hands its callers
 hi ln 2, the natural log.
 Absent optional operands are zero-size arrays (flags say which are present);
-``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py); ``scale``
+``seed`` holds the dropout's uint32 seed words (jaxflash/dropout.py), and with
+Flag.DROPOUT_OFFSETS the place of the call's block in the whole problem (ring attention's calls:
+ring.placed_seed); ``scale``
 the float32 scale of a traced scale (Flag.SCALE_OPERAND), one per instance as the
 ALiBi slopes are (under vmap, a per-item scale is batched like any operand). ``dalibi`` is the
 ALiBi slopes' gradient per query row (float32, laid out as delta), zero-size without

@@ -26,7 +26,8 @@ per device (K = 2 kv heads over 4 devices) take K/V replicated: each device
 reads the kv heads its query heads need from its copy, and psums its partial
 dk and dv (Plan.head_axes). t and s are sharded together, on the mesh axes of
 q's (else k's) sequence, when ring attention (jaxflash/ring.py) can compute the
-call; otherwise they stay replicated, as h and hv always do, and XLA gathers a
+call (with dropout: when the key blocks start where the mask's hash pairs keys, at multiples
+of 16 positions); otherwise they stay replicated, as h and hv always do, and XLA gathers a
 sequence- or feature-sharded operand before the call.
 """
 
@@ -176,8 +177,18 @@ class Plan:
     n = self._mesh_size(mesh_axes)
     T, S = self.config.seq_dims[:2]
     if (ring_lib.unsupported(self.config) is None and T % n == 0 and S % n == 0 and
-        self._free(mesh_axes)):
+        self._free(mesh_axes) and self._ring_order(n) is not None):
       self.axes.update(t=mesh_axes, s=mesh_axes)
+
+  def _ring_order(self, n: int) -> ring_lib.Order | None:
+    """The order of a ring of n devices: zig-zag balances causal attention (a window balances
+    itself) where each block splits into two chunks; with dropout, only an order whose key
+    pieces start where the mask's pairs do (ring_lib.dropout_misaligned). None if none fits."""
+    T, S, *head_dims = self.config.seq_dims
+    local = self.config.replace(seq_dims=(T // n, S // n, *head_dims))
+    orders = ("zigzag",) if self.config.window == ring_lib.CAUSAL and T % (2 * n) == 0 else ()
+    return next((order for order in orders + ("contiguous",)
+                 if ring_lib.dropout_misaligned(local, order) is None), None)
 
   @property
   def ring(self) -> ring_lib.Ring | None:
@@ -185,12 +196,8 @@ class Plan:
     axes = self.axes.get("t")
     if not axes:
       return None
-    n = self._mesh_size(axes)
-    T, S = self.config.seq_dims[:2]
-    # Zig-zag balances causal attention (a window balances itself); it needs each block to
-    # split into two chunks.
-    order = "zigzag" if self.config.window == ring_lib.CAUSAL and T % (2 * n) == 0 else "contiguous"
-    return ring_lib.Ring(self.local_config(), axes if len(axes) > 1 else axes[0], order)
+    return ring_lib.Ring(self.local_config(), axes if len(axes) > 1 else axes[0],
+                         self._ring_order(self._mesh_size(axes)))
 
   def _mesh_size(self, mesh_axes: MeshAxes) -> int:
     return math.prod(self.mesh.shape[a] for a in mesh_axes)
@@ -389,7 +396,8 @@ def _ring_scale(ring: ring_lib.Ring, scale):
 
 def _ring_operands(ring: ring_lib.Ring, given: dict) -> dict:
   """The present ones of ring_lib.RING_OPERANDS among the optional operands `given` by slot:
-  the segment ids in the ring's order, the lengths (not sharded on the sequence) as they are."""
+  the segment ids in the ring's order, the lengths and the seed words (not sharded on the
+  sequence) as they are."""
   return {slot: _reorder(ring, given[slot], slot, ring_lib.to_zigzag) if "segment" in slot
           else given[slot]
           for slot in ring_lib.RING_OPERANDS if ring.config.layout(slot) is not None}
@@ -397,8 +405,8 @@ def _ring_operands(ring: ring_lib.Ring, given: dict) -> dict:
 
 def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
   """Ring attention on contiguous sequence shards (permuted to zig-zag order and back)."""
-  # Of the optional operands only the scale, the lengths and the segment ids can be present
-  # (ring_lib.unsupported).
+  # Of the optional operands only the scale, the lengths, the seed words and the segment ids can
+  # be present (ring_lib.unsupported).
   scale = _ring_scale(ring, optional[-1])
   operands = _ring_operands(ring, dict(zip(OPTIONAL_INPUTS, optional)))
   q, k, v = (_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in ((q, "q"), (k, "k"), (v, "v")))
@@ -410,8 +418,8 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
                    kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre):
-  del bias, mask, seed, alibi_slopes  # absent: ring_lib.unsupported
-  optional = _ring_operands(ring, dict(q_lens=q_lens, kv_lens=kv_lens,
+  del bias, mask, alibi_slopes  # absent: ring_lib.unsupported
+  optional = _ring_operands(ring, dict(q_lens=q_lens, kv_lens=kv_lens, seed=seed,
                                        q_segment_ids=q_segment_ids,
                                        kv_segment_ids=kv_segment_ids))
   operands = [_reorder(ring, x, slot, ring_lib.to_zigzag) for x, slot in

@@ -38,6 +38,15 @@ gets its task's slices of the ids and the lengths as its own rows see them (Ring
 from the global positions of the task's rows, which depend on the device and, in the zig-zag
 order, the chunk). A row that sees no key in a task comes back 0 / -inf and merges as nothing.
 
+Dropout draws the unsharded call's mask: its hash keys on the positions of the query and the
+key in the whole sequence (cuda/dropout.h), so each kernel call gets, with its seed words, the
+positions of its first row and key (placed_seed), which depend on the device. A call must
+therefore cover consecutive positions: in the zig-zag order a task over both chunks of a block
+runs as one call per pair of chunks (Ring.calls), which the step merges as it merges steps.
+And a key block must start at a multiple of 16 positions, where the hash's pairs of keys start
+(DROPOUT_KEY_ALIGNMENT): key blocks (zig-zag: chunks) of a multiple of 16 positions, and window
+tasks whose keys start at one (plan's key_align); dropout_misaligned says when blocks are not.
+
 Used two ways: jaxflash.ring_attention inside shard_map (the caller chooses the
 order), and the partitioning stage when jit's operands are sharded along the
 sequence (it permutes the contiguous shards into zig-zag order and back).
@@ -55,7 +64,7 @@ from jax import lax
 from jaxflash import kernels
 from jaxflash.contract import (OPTIONAL_INPUTS, QUERY_ROW_SLOTS, UNBOUNDED, Flag, KernelConfig,
                                absent)
-from jaxflash.layout import COL, ROW, Layout, role_axis, shape_of, with_rows
+from jaxflash.layout import COL, ROW, Layout, role_axis, shape_of, with_cols, with_rows
 
 Order = Literal["contiguous", "zigzag"]
 AxisName = str | tuple[str, ...]
@@ -66,15 +75,20 @@ CAUSAL = (UNBOUNDED, 0)
 
 # The optional operands the ring takes (besides a traced scale): the query's segment ids and
 # lengths stay with the local query block, the key ids travel round with their K/V block, and
-# every kernel call gets the slices and the lengths of its own rows (Ring.task_operands).
-RING_OPERANDS = ("q_lens", "kv_lens", "q_segment_ids", "kv_segment_ids")
+# every kernel call gets the slices and the lengths of its own rows, and the dropout's seed
+# words with its place in the sequence (Ring.task_operands).
+RING_OPERANDS = ("q_lens", "kv_lens", "seed", "q_segment_ids", "kv_segment_ids")
+
+# The dropout's hash decides keys s and s + 8 of each 16 together, and every kernel holds
+# both in one thread, counting from its block's first key: that key's position in the sequence
+# must be a multiple of 16, or the block's pairs would not be the sequence's (cuda/dropout.h).
+DROPOUT_KEY_ALIGNMENT = 16
 
 
 def unsupported(config: KernelConfig) -> str | None:
   """Why ring attention cannot compute this call, or None if it can."""
   T, S = config.seq_dims[:2]
-  for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("seed", "dropout"),
-                     ("alibi_slopes", "alibi_slopes")):
+  for slot, what in (("bias", "a bias"), ("mask", "a mask"), ("alibi_slopes", "alibi_slopes")):
     if config.layout(slot) is not None:
       return f"{what} is not supported yet"
   if config.window != OPEN and T != S:
@@ -84,6 +98,20 @@ def unsupported(config: KernelConfig) -> str | None:
   if config.window != OPEN and has_lengths and config.has(Flag.BOTTOM_RIGHT):
     return ("mask_alignment='bottom_right' with sequence lengths is not supported yet (its "
             "diagonal moves with kv_len - q_len per batch item)")
+  return None
+
+
+def dropout_misaligned(config: KernelConfig, order: Order) -> str | None:
+  """Why the ring cannot apply dropout to the local blocks of `config` (one device's) in `order`,
+  or None if it can (or there is no dropout): their key pieces must start at multiples of
+  DROPOUT_KEY_ALIGNMENT positions."""
+  if not config.has(Flag.DROPOUT):
+    return None
+  S = config.seq_dims[1]
+  piece, what = (S // 2, "zig-zag chunks") if order == "zigzag" else (S, "key blocks")
+  if piece % DROPOUT_KEY_ALIGNMENT:
+    return (f"dropout needs {what} of a multiple of {DROPOUT_KEY_ALIGNMENT} positions (where "
+            f"the mask's hash pairs its keys), got {piece}")
   return None
 
 
@@ -99,14 +127,17 @@ class Task:
   diagonal: int = 0
 
 
-def placed_task(T: int, S: int, window: tuple[int, int], offset: int) -> Task | None:
+def placed_task(T: int, S: int, window: tuple[int, int], offset: int,
+                key_align: int = 1) -> Task | None:
   """The task of a query block of T rows against a key block of S rows that starts `offset`
   positions before it in the sequence, cut down to the rows and keys the window lets meet;
-  None if it lets none meet. Key s sees query t iff -left <= s - t - offset <= right."""
+  None if it lets none meet. Key s sees query t iff -left <= s - t - offset <= right. Its keys
+  start at a multiple of `key_align` (dropout's: DROPOUT_KEY_ALIGNMENT), the window masking
+  those it took in before the first one it lets meet."""
   left, right = window
   q0 = 0 if right == UNBOUNDED else max(0, -offset - right)
   q1 = T if left == UNBOUNDED else min(T, S + left - offset)
-  k0 = 0 if left == UNBOUNDED else max(0, offset - left)
+  k0 = 0 if left == UNBOUNDED else max(0, offset - left) // key_align * key_align
   k1 = S if right == UNBOUNDED else min(S, T + offset + right)
   if q0 >= q1 or k0 >= k1:
     return None
@@ -158,8 +189,10 @@ class Pass:
     return _union(self.key_span(j) for j in range(1, step + 1))
 
 
-def plan(seq_dims: tuple[int, int], window: tuple[int, int], order: Order, n: int) -> list[Pass]:
-  """The passes of a ring of n devices over local blocks of T queries and S keys."""
+def plan(seq_dims: tuple[int, int], window: tuple[int, int], order: Order, n: int,
+         key_align: int = 1) -> list[Pass]:
+  """The passes of a ring of n devices over local blocks of T queries and S keys, whose tasks'
+  keys start at multiples of `key_align` (placed_task)."""
   T, S = seq_dims
   if order == "zigzag" and window != OPEN:  # causal (ring_attention checks)
     diagonal = Task(0, T, 0, S, CAUSAL)
@@ -168,8 +201,8 @@ def plan(seq_dims: tuple[int, int], window: tuple[int, int], order: Order, n: in
     return [Pass(1, ((diagonal, diagonal),) + ((earlier, later),) * (n - 1))]
   # Contiguous order: device i holds query positions [iT, (i + 1)T) and key positions
   # [iS, (i + 1)S); whenever the window bounds anything, T == S (unsupported()).
-  back = lambda k: placed_task(T, S, window, k * T)      # the key block k devices before
-  ahead = lambda k: placed_task(T, S, window, -k * T)    # the key block k devices after
+  back = lambda k: placed_task(T, S, window, k * T, key_align)    # the key block k devices before
+  ahead = lambda k: placed_task(T, S, window, -k * T, key_align)  # the key block k devices after
   local = (back(0), back(0))
   reach_back = max((k for k in range(1, n) if back(k)), default=0)
   reach_ahead = max((k for k in range(1, n) if ahead(k)), default=0)
@@ -194,18 +227,21 @@ class Ring:
     return lax.axis_size(self.axis_name)
 
   def passes(self) -> list[Pass]:
-    return plan(self.config.seq_dims[:2], self.config.window, self.order, self.size)
+    key_align = DROPOUT_KEY_ALIGNMENT if self.config.has(Flag.DROPOUT) else 1
+    return plan(self.config.seq_dims[:2], self.config.window, self.order, self.size, key_align)
 
   def task_config(self, task: Task, config: KernelConfig | None = None) -> KernelConfig:
+    """The config of a kernel call on `task` (one of Ring.calls' with dropout)."""
     config = config or self.config
     layouts = {slot: with_rows(layout, task.tq if slot in QUERY_ROW_SLOTS else task.tk)
                for slot, layout in config.layouts}
     # Positions are the task's own: the blocks' offsets are in `diagonal`, and the length
     # operands are the task's (Ring.task_operands). The diagonal is top-left: with a window
     # T == S, and bottom-right with lengths is unsupported().
-    return config.replace(seq_dims=(task.tq, task.tk, *config.seq_dims[2:]), window=task.window,
-                          diagonal=task.diagonal,
-                          flags=config.flags & ~Flag.BOTTOM_RIGHT).with_layouts(layouts)
+    config = config.replace(seq_dims=(task.tq, task.tk, *config.seq_dims[2:]), window=task.window,
+                            diagonal=task.diagonal,
+                            flags=config.flags & ~Flag.BOTTOM_RIGHT).with_layouts(layouts)
+    return placed_config(config) if config.has(Flag.DROPOUT) else config
 
   def _pieces(self, device, rows: int) -> list[tuple[int, jax.Array, int]]:
     """(block row, sequence position, rows) of each contiguous piece of `device`'s block of
@@ -217,25 +253,54 @@ class Ring:
       return [(0, first * c, c), (c, second * c, c)]
     return [(0, device * rows, rows)]
 
+  def _spans(self, device, rows: int, start: int, size: int):
+    """(lo, hi, position) of each piece of `device`'s block (of `rows` rows) that rows
+    [start, start + size) overlap: its block rows [lo, hi), the first at sequence `position`."""
+    for first, position, n in self._pieces(device, rows):
+      lo, hi = max(start, first), min(start + size, first + n)
+      if lo < hi:
+        yield lo, hi, position + (lo - first)
+
   def local_length(self, length, device, rows: int, start: int, size: int):
     """How many of rows [start, start + size) of `device`'s block (of `rows` rows) come before
     sequence position `length` (per batch item, traced): the length of a kernel call on those
     rows. Its pieces lie in sequence order, so the rows before `length` are a prefix."""
     total = jnp.zeros_like(length)
-    for first, position, n in self._pieces(device, rows):
-      lo, hi = max(start, first), min(start + size, first + n)
-      if lo < hi:
-        total = total + jnp.clip(length - (position + (lo - first)), 0, hi - lo)
+    for lo, hi, position in self._spans(device, rows, start, size):
+      total = total + jnp.clip(length - position, 0, hi - lo)
     return total
 
-  def task_operands(self, task: Task, src, operands: dict, kv_ids=None) -> dict:
+  def calls(self, task: Task, src) -> list[tuple[Task, tuple | None]]:
+    """The kernel calls of `task` on the visiting block of device `src`, with the place of
+    each in the sequence (the positions of its first query and key, traced) for the dropout's
+    hash. Without dropout, the task itself (no place). With it, a call must cover consecutive
+    positions: one per pair of the pieces (zig-zag chunks) the task's rows and keys overlap, cut
+    to what the task's window lets meet there (its diagonal moves with the pair's corner)."""
+    if not self.config.has(Flag.DROPOUT):
+      return [(task, None)]
+    T, S = self.config.seq_dims[:2]
+    calls = []
+    for q_lo, q_hi, row in self._spans(lax.axis_index(self.axis_name), T, task.q0, task.tq):
+      for k_lo, k_hi, col in self._spans(src, S, task.k0, task.tk):
+        part = placed_task(q_hi - q_lo, k_hi - k_lo, task.window,
+                           task.diagonal + (q_lo - task.q0) - (k_lo - task.k0),
+                           DROPOUT_KEY_ALIGNMENT)
+        if part is not None:
+          calls.append((Task(q_lo + part.q0, part.tq, k_lo + part.k0, part.tk, part.window,
+                             part.diagonal), (row + part.q0, col + part.k0)))
+    return calls
+
+  def task_operands(self, task: Task, src, operands: dict, kv_ids=None, place=None) -> dict:
     """The optional operands of `task` on the visiting block of device `src`, by slot: the
     query segment ids' task rows, the visiting key ids (`kv_ids`, already cut to the task's
-    keys), and the lengths as the task's rows see them. `operands`: this device's
-    (RING_OPERANDS: its query block's ids, its own key block's ids, and the lengths)."""
+    keys), the lengths as the task's rows see them, and the seed words placed at `place`
+    (Ring.calls). `operands`: this device's (RING_OPERANDS: its query block's ids, its own key
+    block's ids, the lengths and the seed words)."""
     i = lax.axis_index(self.axis_name)
     T, S = self.config.seq_dims[:2]
     present = {}
+    if "seed" in operands:
+      present["seed"] = placed_seed(operands["seed"], self.config.layout("seed"), *place)
     if "q_lens" in operands:
       present["q_lens"] = self.local_length(operands["q_lens"], i, T, task.q0, task.tq)
     if "kv_lens" in operands:
@@ -280,6 +345,26 @@ def _varying_like(tree, like):
   if not axes:
     return tree
   return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying"), tree)
+
+
+def placed_config(config: KernelConfig) -> KernelConfig:
+  """The config of a dropout call on a block of a larger problem: its seed operand carries the
+  block's place (placed_seed; Flag.DROPOUT_OFFSETS)."""
+  return config.replace(flags=config.flags | Flag.DROPOUT_OFFSETS).with_layouts(
+      {"seed": with_cols(config.layout("seed"), 4)})
+
+
+def placed_seed(seed, layout: Layout, row, col):
+  """The seed operand (laid out as `layout`) of a call on the block of a larger problem whose
+  first query and key are at positions `row` and `col` there (traced or not; col a multiple of
+  DROPOUT_KEY_ALIGNMENT): each instance's seed words and then the two positions, which the
+  kernels add to their own (cuda/dropout.h). Words, not attributes: on the ring they depend on
+  the device, and one program runs on every device."""
+  axis = role_axis(layout, COL)
+  place = jnp.stack([jnp.asarray(row), jnp.asarray(col)]).astype(jnp.uint32)
+  place = jnp.reshape(place, [2 if d == axis else 1 for d in range(seed.ndim)])
+  shape = seed.shape[:axis] + (2,) + seed.shape[axis + 1:]
+  return jnp.concatenate([seed, jnp.broadcast_to(place, shape)], axis=axis)
 
 
 def _rows(x, layout: Layout, start: int, size: int):
@@ -383,7 +468,9 @@ def _travelling(k, v, operands: dict) -> tuple[tuple, tuple[str, ...]]:
 def forward(q, k, v, ring: Ring, scale=None, operands: dict | None = None):
   """This device's (o in float32, lse) over the whole ring; `scale`: the scale operand of a
   traced scale (Flag.SCALE_OPERAND), None for a static one; `operands`: this device's of
-  RING_OPERANDS by slot (its blocks of the segment ids, the whole lengths), those present."""
+  RING_OPERANDS by slot (its blocks of the segment ids, the whole lengths, the seed words),
+  those present. With dropout a task may be several kernel calls (Ring.calls), merged as the
+  steps are."""
   config = ring.config.replace(flags=ring.config.flags | Flag.OUTPUT_F32)
   T, S = config.seq_dims[:2]
   o_layout, lse_layout = config.layout("o"), config.layout("lse")
@@ -397,12 +484,18 @@ def forward(q, k, v, ring: Ring, scale=None, operands: dict | None = None):
       lo, hi = span = ring_pass.query_span(step)
 
       def compute(task: Task, src, k_rows, v_rows, *kv_ids):
-        present = ring.task_operands(task, src, operands, *kv_ids)
-        o_part, lse_part, _workspace = kernels.forward_kernel_p.bind(
-            _rows(q, config.layout("q"), task.q0, task.tq), k_rows, v_rows,
-            *_optional_operands(q.dtype, scale, present), config=ring.task_config(task, config))
-        return (_pad_rows(o_part, o_layout, task.q0 - lo, hi - lo, 0.0),
-                _pad_rows(lse_part, lse_layout, task.q0 - lo, hi - lo, -jnp.inf))
+        part = None
+        for call, place in ring.calls(task, src):
+          keys = lambda x, slot: _rows(x, config.layout(slot), call.k0 - task.k0, call.tk)
+          present = ring.task_operands(call, src, operands,
+                                       *(keys(x, "kv_segment_ids") for x in kv_ids), place=place)
+          o_call, lse_call, _workspace = kernels.forward_kernel_p.bind(
+              _rows(q, config.layout("q"), call.q0, call.tq), keys(k_rows, "k"), keys(v_rows, "v"),
+              *_optional_operands(q.dtype, scale, present), config=ring.task_config(call, config))
+          padded = (_pad_rows(o_call, o_layout, call.q0 - lo, hi - lo, 0.0),
+                    _pad_rows(lse_call, lse_layout, call.q0 - lo, hi - lo, -jnp.inf))
+          part = padded if part is None else _merge(part, padded, o_layout, lse_layout)
+        return part
 
       idle = lambda: (_zeros(o_layout, hi - lo),
                       jnp.full(shape_of(with_rows(lse_layout, hi - lo)), -jnp.inf, jnp.float32))
@@ -452,20 +545,27 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None,
         k_lo, k_hi = k_span = ring_pass.key_span(step)
 
         def compute(task: Task, src, k_rows, v_rows, *kv_ids):
-          q_rows = lambda x, slot: _rows(x, layout(slot), task.q0, task.tq)
-          present = ring.task_operands(task, src, operands, *kv_ids)
-          dq_part, dk_part, dv_part, _dbias, _dalibi, dscale_part, _workspace = (
-              kernels.backward_kernel_p.bind(
-                  q_rows(q, "q"), k_rows, v_rows, *_optional_operands(q.dtype, scale, present),
-                  q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
-                  (absent("dscale_centre", jnp.float32) if centre is None else
-                   q_rows(centre, "dscale_centre")),
-                  config=ring.task_config(task)))
-          f32 = lambda x: x.astype(jnp.float32)
-          key_parts = dict(dk=dk_part, dv=dv_part, dscale=dscale_part)
-          return (_pad_rows(f32(dq_part), layout("dq"), task.q0 - q_lo, q_hi - q_lo, 0.0),
-                  *(_pad_rows(f32(key_parts[slot]), layout(slot), task.k0 - k_lo, k_hi - k_lo, 0.0)
-                    for slot in key_slots))
+          parts = None
+          for call, place in ring.calls(task, src):
+            q_rows = lambda x, slot: _rows(x, layout(slot), call.q0, call.tq)
+            keys = lambda x, slot: _rows(x, layout(slot), call.k0 - task.k0, call.tk)
+            present = ring.task_operands(call, src, operands,
+                                         *(keys(x, "kv_segment_ids") for x in kv_ids), place=place)
+            dq_call, dk_call, dv_call, _dbias, _dalibi, dscale_call, _workspace = (
+                kernels.backward_kernel_p.bind(
+                    q_rows(q, "q"), keys(k_rows, "k"), keys(v_rows, "v"),
+                    *_optional_operands(q.dtype, scale, present),
+                    q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
+                    (absent("dscale_centre", jnp.float32) if centre is None else
+                     q_rows(centre, "dscale_centre")),
+                    config=ring.task_config(call)))
+            f32 = lambda x: x.astype(jnp.float32)
+            key_parts = dict(dk=dk_call, dv=dv_call, dscale=dscale_call)
+            padded = (_pad_rows(f32(dq_call), layout("dq"), call.q0 - q_lo, q_hi - q_lo, 0.0),
+                      *(_pad_rows(f32(key_parts[slot]), layout(slot), call.k0 - k_lo, k_hi - k_lo,
+                                  0.0) for slot in key_slots))
+            parts = padded if parts is None else tuple(a + b for a, b in zip(parts, padded))
+          return parts
 
         idle = lambda: (_zeros(layout("dq"), q_hi - q_lo),
                         *(_zeros(layout(slot), k_hi - k_lo) for slot in key_slots))

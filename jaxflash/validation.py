@@ -273,7 +273,8 @@ def validate(query, key, value, *, bias=None, mask=None, scale=None, is_causal=F
 def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_window_size, order,
                   precision, return_residual, logits_soft_cap, query_seq_lengths=None,
                   key_value_seq_lengths=None, query_segment_ids=None,
-                  key_value_segment_ids=None) -> Call:
+                  key_value_segment_ids=None, dropout_rate=0.0, dropout_rng=None,
+                  broadcast_dropout=False) -> Call:
   """jaxflash.ring_attention's arguments: those it shares with jaxflash.attention (checked as
   there), then the ring's own; also refuses what ring attention cannot compute."""
   call = validate(query, key, value, scale=scale, is_causal=is_causal,
@@ -282,7 +283,8 @@ def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_windo
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths,
                   query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids)
+                  key_value_segment_ids=key_value_segment_ids, dropout_rate=dropout_rate,
+                  dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
   if order not in ("contiguous", "zigzag"):
     raise ValueError(f"jaxflash.ring_attention: order must be 'contiguous' or 'zigzag', got "
                      f"{order!r}")
@@ -302,7 +304,7 @@ def validate_ring(query, key, value, *, axis_name, scale, is_causal, local_windo
   if order == "zigzag" and (T % 2 or S % 2):
     raise ValueError(f"jaxflash.ring_attention: order='zigzag' needs even block lengths (two "
                      f"chunks per device), got query block {T} and key block {S}")
-  why = ring_lib.unsupported(call.config)
+  why = ring_lib.unsupported(call.config) or ring_lib.dropout_misaligned(call.config, order)
   if why is not None:
     raise ValueError(f"jaxflash.ring_attention: {why}")
   return call

@@ -16,6 +16,10 @@ import pytest
 
 import jaxflash
 from jaxflash import dropout as dropout_lib
+from jaxflash import kernels, ring as ring_lib
+from jaxflash.attention import _delta, _gradient_layouts
+from jaxflash.contract import OPTIONAL_INPUTS, Flag, absent
+from jaxflash.validation import validate
 
 
 def kernel_keep_mask(rng, rate, *, batch, heads, kv_heads, seqlen_q, keys, broadcast=False,
@@ -68,6 +72,51 @@ def test_causal_rows_keep_their_visible_entries_only(backend):
   expected = jaxflash.dropout_mask(rng, (1, 128, 2, 128), (1, 128, 2, 128), rate)
   expected = expected & jnp.tril(jnp.ones((128, 128), jnp.bool_))
   assert bool(jnp.all(ours == expected))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per_head", "broadcast"])
+def test_placed_kernel_mask_is_a_block_of_dropout_mask(dtype, broadcast, backend):
+  """A kernel call given its block's place in a larger problem (ring attention's calls:
+  Flag.DROPOUT_OFFSETS) applies that block of the problem's mask, bit for bit, forward and
+  backward. Read back as in kernel_keep_mask, with T = S = H: the forward's output with V the
+  identity, and the backward's dV = (P o keep)ᵀ dO / (1 - rate) with dO the identity. H = 128 in
+  16 bits runs the sm_90 kernels' dropout copies on Hopper; offsets 0 are
+  test_kernel_mask_is_dropout_mask's."""
+  rng, rate, row, col = jax.random.key(8), 0.3, 200, 48  # col: a multiple of 16, not of a tile
+  B, N, D = 2, 2, 128
+  dtype = jnp.dtype(dtype)
+  q = jax.random.normal(jax.random.key(0), (B, D, N, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(jax.random.key(1), (B, D, N, D), jnp.float32).astype(dtype)
+  eye = jnp.broadcast_to(jnp.eye(D, dtype=dtype)[None, :, None, :], (B, D, N, D))
+  call = validate(q, k, eye, dropout_rate=rate, dropout_rng=rng, broadcast_dropout=broadcast)
+  config = ring_lib.placed_config(call.config)
+
+  @jax.jit
+  def placed(q, k, eye, seed):
+    present = dict(seed=ring_lib.placed_seed(seed, call.config.layout("seed"), row, col))
+    optional = [present.get(slot, absent(slot, dtype)) for slot in OPTIONAL_INPUTS]
+    forward_config = config.replace(flags=config.flags | Flag.OUTPUT_F32)
+    o32, lse, _ = kernels.forward_kernel_p.bind(q, k, eye, *optional, config=forward_config)
+    _, _, dv, *_ = kernels.backward_kernel_p.bind(
+        q, k, eye, *optional, lse, _delta(eye, o32, config), eye,
+        absent("dscale_centre", jnp.float32), config=config.with_layouts(_gradient_layouts(config)))
+    return o32, dv
+
+  o32, dv = placed(q, k, eye, call.seed)
+  whole = jaxflash.dropout_mask(rng, (B, row + D, N, D), (B, col + D, N, D), rate,
+                                broadcast_dropout=broadcast)
+  expected = np.asarray(whole[:, :, row:, col:])  # (B, N, T, S)
+  by_output = np.transpose(np.asarray(o32 != 0), (0, 2, 1, 3))  # (B, T, N, S) -> (B, N, T, S)
+  by_dv = np.transpose(np.asarray(dv != 0), (0, 2, 3, 1))       # (B, S, N, T) -> (B, N, T, S)
+  for what, ours in (("forward", by_output), ("backward", by_dv)):
+    mismatch = ours != expected
+    assert not mismatch.any(), (
+        f"{what}: {int(mismatch.sum())} of {mismatch.size} entries differ from the block of "
+        f"dropout_mask, first at {tuple(int(i) for i in np.argwhere(mismatch)[0])}")
+  block = dropout_lib.keep_from_seeds(np.asarray(call.seed), D, D,
+                                      dropout_lib.keep_threshold_and_scale(rate)[0], row, col)
+  assert np.array_equal(np.broadcast_to(block, expected.shape), expected)
 
 
 def test_mask_has_no_visible_structure():

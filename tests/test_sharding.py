@@ -82,6 +82,7 @@ class ShardCase:
   options: tuple = ()  # attention keyword arguments, as (name, value) pairs
   local: bool = True   # batch/heads only: no all-gather or all-to-all
   ring: bool = False   # the sequence is sharded and ring attention computes it
+  gathered: bool = False  # the sequence is sharded and XLA gathers it (no ring for the call)
   mesh: tuple = ()     # ((axis name, size), ...); () for make_mesh's mesh of all the devices
   # K/V replicated, q's heads sharded over whole kv heads: each device reads its kv heads
   # without communicating, and under Shardy, which gives each gradient its operand's sharding,
@@ -242,6 +243,24 @@ CASES = {
                                                 B=2, T=64, S=32,
                                                 options=(("local_window_size", (5, 0)),),
                                                 local=False),
+    # Dropout on the ring draws the unsharded call's mask (each kernel call hashes its rows' and
+    # keys' positions in the whole sequence): blocks of 32, zig-zag chunks of 16.
+    "sequence_dropout_causal_zigzag": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2, T=256,
+        S=256, options=(("dropout_rate", 0.2), ("is_causal", True)), local=False, ring=True),
+    "sequence_dropout_cross_broadcast": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2, T=256,
+        S=128, options=(("dropout_rate", 0.3), ("broadcast_dropout", True)), local=False,
+        ring=True),
+    # Blocks of 16: zig-zag chunks of 8 would split the mask's pairs of keys, so the causal ring
+    # runs in the contiguous order.
+    "sequence_dropout_causal_contiguous": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2, T=128,
+        S=128, options=(("dropout_rate", 0.1), ("is_causal", True)), local=False, ring=True),
+    # Blocks of 8 split them in either order: no ring, XLA gathers the sequence.
+    "sequence_dropout_gathered": ShardCase(
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2,
+        options=(("dropout_rate", 0.2), ("is_causal", True)), local=False, gathered=True),
     # GQA with q's heads split finer than the kv heads (2 kv heads over 4 devices: JAX's
     # IndivisibleError before): K/V replicated, each device reads the kv head its query heads
     # use, and dk and dv are psums over the devices that share one.
@@ -379,9 +398,10 @@ def test_sharded_equals_single_device(name, dtype, backend, device):
     # Against the reference: the ring adds its partial results in another order.
     (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
         inputs, cotangent, backend=backend, **static)
-    assert_close(ours, ref, base, tolerance, "out")
-    for g in ref_grads:
-      assert_close(ours_grads[g], ref_grads[g], base_grads[g], tolerance, g)
+    _assert_ring_close((ours, ours_grads), (ref, ref_grads), (base, base_grads), tolerance)
+    if "dropout_rate" in static:  # the unsharded call's mask (the reference's too)
+      _assert_ring_close((ours, ours_grads), (single, single_grads), (base, base_grads),
+                         tolerance, " (unsharded)")
   else:
     assert_same_kernel(ours, single, tolerance, "out")
     for g in single_grads:
@@ -396,6 +416,8 @@ def test_sharded_equals_single_device(name, dtype, backend, device):
   if case.local or case.ring:
     for collective in ("all-gather", "all-to-all"):
       assert collective not in hlo, f"the compiled forward+backward has an {collective}"
+  if case.gathered:
+    assert inputs["query"].shape in _all_gathered_shapes(hlo), "the sequence is not gathered"
   if case.kv_grads_gathered:
     forward_hlo = jax.jit(lambda inputs: attention(**inputs, **static)).lower(
         sharded_inputs).compile().as_text()
@@ -408,6 +430,14 @@ def test_sharded_equals_single_device(name, dtype, backend, device):
   ring_axes = (ring_axes,) if isinstance(ring_axes, str) else ring_axes or ()
   if np.prod([mesh.shape[a] for a in ring_axes]) > 1:  # (a ring of one device has no permutes)
     assert "collective-permute" in hlo, "ring attention without collective permutes"
+
+
+def _assert_ring_close(ours, expected, baseline, tolerance, what: str = ""):
+  """A ring's (out, grads) against expected ones, by the accuracy rule with the baseline's."""
+  (out, grads), (expected_out, expected_grads), (base, base_grads) = ours, expected, baseline
+  assert_close(out, expected_out, base, tolerance, "out" + what)
+  for g in expected_grads:
+    assert_close(grads[g], expected_grads[g], base_grads[g], tolerance, g + what)
 
 
 GQA_CASES = [name for name in CASES if name.startswith(("gqa_", "mqa_"))]
@@ -475,6 +505,21 @@ RING_CASES = {
     # (attention.py, _ring_dscale_centre), which must see the call's ids and lengths too.
     "lengths_segment_ids_traced_scale": dict(is_causal=True, order="zigzag", lengths=True,
                                              segments=True, traced_scale=0.45),
+    # Dropout: the same key on every device draws the unsharded call's mask. Blocks of 32 (the
+    # zig-zag order's chunks of 16: the mask's pairs of keys start at multiples of 16); in the
+    # zig-zag order each step is a kernel call per pair of chunks.
+    "dropout_causal_zigzag": dict(is_causal=True, order="zigzag", dropout_rate=0.2, block=32),
+    "dropout_causal_contiguous": dict(is_causal=True, order="contiguous", dropout_rate=0.3,
+                                      block=32),
+    "dropout_full_zigzag": dict(is_causal=False, order="zigzag", dropout_rate=0.1, block=32),
+    "dropout_full_contiguous_broadcast": dict(is_causal=False, order="contiguous",
+                                              dropout_rate=0.2, broadcast_dropout=True, block=32),
+    # A window whose keys start mid-block: the tasks' keys start at the multiple of 16 before.
+    "dropout_two_sided_window_lengths": dict(is_causal=False, local_window_size=(21, 37),
+                                             order="contiguous", dropout_rate=0.2, block=32,
+                                             lengths=True),
+    "dropout_segment_ids_traced_scale": dict(is_causal=True, order="zigzag", dropout_rate=0.2,
+                                             block=32, segments=True, traced_scale=0.45),
 }
 
 
@@ -486,8 +531,9 @@ def test_ring_attention_in_shard_map(name, dtype, backend, device):
   segments, lengths = options.pop("segments", False), options.pop("lengths", False)
   mesh = make_mesh(backend, two_d=False)
   n = mesh.shape["x"]
-  B, T, N, K = (4 if lengths else 2), 16 * n, 4, 2
-  case = ShardCase(False, {}, B=B, T=T, S=T, N=N, K=K, segments=segments, lengths=lengths)
+  B, T, N, K = (4 if lengths else 2), options.pop("block", 16) * n, 4, 2
+  case = ShardCase(False, {}, B=B, T=T, S=T, N=N, K=K, segments=segments, lengths=lengths,
+                   options=tuple(options.items()))
   inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
   if traced_scale is not None:
     inputs["scale"] = jax.device_put(jnp.asarray(traced_scale, jnp.float32), device)
@@ -495,10 +541,11 @@ def test_ring_attention_in_shard_map(name, dtype, backend, device):
   undo = jnp.argsort(order)
   spec = P(None, "x")
   # After q, k and v: the segment ids (blocks, in the ring's order), the lengths (replicated),
-  # the traced scale, those the case has.
+  # the traced scale, the dropout's key (replicated), those the case has.
   extra = ((("query_segment_ids", spec), ("key_value_segment_ids", spec)) if segments else ()) + (
       (("query_seq_lengths", P()), ("key_value_seq_lengths", P())) if lengths else ()) + (
-      (("scale", P()),) if traced_scale is not None else ())
+      (("scale", P()),) if traced_scale is not None else ()) + (
+      (("dropout_rng", P()),) if "dropout_rate" in options else ())
   in_specs = (spec, spec, spec) + tuple(s for _, s in extra)
 
   def ring_attention(query, key, value, *args):
@@ -517,9 +564,10 @@ def test_ring_attention_in_shard_map(name, dtype, backend, device):
   (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
       inputs, cotangent, backend=backend, **static)
   tolerance = reference.compute_name(backend, dtype)
-  assert_close(ours, ref, base, tolerance, "out")
-  for g in ref_grads:
-    assert_close(ours_grads[g], ref_grads[g], base_grads[g], tolerance, g)
+  _assert_ring_close((ours, ours_grads), (ref, ref_grads), (base, base_grads), tolerance)
+  if "dropout_rate" in static:  # the unsharded call's mask (the reference's too)
+    single = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
+    _assert_ring_close((ours, ours_grads), single, (base, base_grads), tolerance, " (unsharded)")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -584,7 +632,8 @@ def test_ring_attention_refuses_what_it_cannot_compute():
 
 
 def test_ring_unsupported_says_why():
-  """What the ring computes (segment ids, lengths) and what it leaves to a gathered call."""
+  """What the ring computes (segment ids, lengths, dropout) and what it leaves to a gathered
+  call."""
   x = jnp.ones((2, 16, 2, 8))
   lens, ids = jnp.asarray([3, 16], jnp.int32), jnp.zeros((2, 16), jnp.int32)
   why = lambda **kwargs: ring_lib.unsupported(validate(x, x, x, **kwargs).config)
@@ -598,29 +647,49 @@ def test_ring_unsupported_says_why():
   assert why(bias=jnp.ones((16, 16))) == "a bias is not supported yet"
   assert why(mask=jnp.ones((16, 16), bool)) == "a mask is not supported yet"
   assert why(alibi_slopes=jnp.ones((2,))) == "alibi_slopes is not supported yet"
-  assert why(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "dropout is not supported yet"
+  dropout = validate(x, x, x, dropout_rate=0.1, dropout_rng=jax.random.key(0)).config
+  assert ring_lib.unsupported(dropout) is None
+  # Blocks of 16 positions: the mask's pairs of keys start at multiples of 16.
+  assert ring_lib.dropout_misaligned(dropout, "contiguous") is None
+  assert ring_lib.dropout_misaligned(dropout, "zigzag") == (
+      "dropout needs zig-zag chunks of a multiple of 16 positions (where the mask's hash pairs "
+      "its keys), got 8")
+
+
+def test_ring_attention_refuses_misaligned_dropout():
+  mesh = make_mesh("cpu", two_d=False)
+  x = jnp.ones((1, 24 * mesh.shape["x"], 2, 8))
+  ring = jax.jit(jax.shard_map(
+      lambda q, k, v, rng: jaxflash.ring_attention(q, k, v, axis_name="x", dropout_rate=0.1,
+                                                   dropout_rng=rng),
+      mesh=mesh, in_specs=(P(None, "x"),) * 3 + (P(),), out_specs=P(None, "x")))
+  with pytest.raises(ValueError, match="dropout needs key blocks of a multiple of 16 positions"):
+    ring.lower(x, x, x, jax.random.key(0))
 
 
 U = UNBOUNDED
 
 
+@pytest.mark.parametrize("key_align", [1, 4])
 @pytest.mark.parametrize("n", [2, 3, 8])
 @pytest.mark.parametrize("window", [(U, U), (U, 0), (13, 0), (9, 6), (3, 3), (0, 0), (2, 20),
                                     (100, 100)])
-def test_ring_plan_covers_each_visible_pair_once(window, n):
+def test_ring_plan_covers_each_visible_pair_once(window, n, key_align):
   """Over all devices, steps and passes, the tasks of a contiguous ring compute every query-key
-  pair the window lets meet exactly once, and no other."""
+  pair the window lets meet exactly once, and no other; their keys start at multiples of
+  key_align (dropout's alignment, scaled down to blocks of 8)."""
   T = 8
   positions = np.arange(n * T)
   visible = _in_window(window, positions[None, :] - positions[:, None])
   covered = np.zeros(visible.shape, int)
-  for ring_pass in ring_lib.plan((T, T), window, "contiguous", n):
+  for ring_pass in ring_lib.plan((T, T), window, "contiguous", n, key_align):
     for step, (earlier, later) in enumerate(ring_pass.steps):
       for i in range(n):
         src = (i - ring_pass.direction * step) % n
         task = earlier if src < i else later
         if task is None:
           continue
+        assert task.k0 % key_align == 0, task
         t, s = np.arange(task.tq)[:, None], np.arange(task.tk)[None, :]
         rows, keys = i * T + task.q0 + t, src * T + task.k0 + s
         np.add.at(covered, (np.broadcast_to(rows, (task.tq, task.tk)),

@@ -108,7 +108,7 @@ inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
     case kLse: case kDelta: case kDalibi: case kDscaleCentre: rows = p.seqlen_q; cols = 1; return;
     case kQLens: case kKvLens: case kAlibiSlopes: case kScale: rows = 1; cols = 1; return;
-    case kSeed: rows = 1; cols = 2; return;
+    case kSeed: rows = 1; cols = p.has(kDropoutOffsets) ? 4 : 2; return;
     case kQSegmentIds: rows = p.seqlen_q; cols = 1; return;
     case kKvSegmentIds: case kDscale: rows = p.seqlen_k; cols = 1; return;
     case kK: case kDk: rows = p.seqlen_k; cols = p.head_dim; return;
@@ -189,6 +189,8 @@ inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyB
   if (auto e = attach_optional(p, kHasQLens, kQLens, p.q_lens, q_lens, ffi::DataType::S32); e.failure()) return e;
   if (auto e = attach_optional(p, kHasKvLens, kKvLens, p.kv_lens, kv_lens, ffi::DataType::S32); e.failure())
     return e;
+  if (p.has(kDropoutOffsets) && !p.has(kDropout))
+    return ffi::Error::InvalidArgument("jaxflash: dropout offsets given without dropout");
   if (auto e = attach_optional(p, kDropout, kSeed, p.seed, seed, ffi::DataType::U32); e.failure()) return e;
   if (auto e = attach_optional(p, kHasSegmentIds, kQSegmentIds, p.q_segment_ids, q_segment_ids, ffi::DataType::S32);
       e.failure())

@@ -40,6 +40,7 @@ nb::dict contract() {
   flags["HAS_DALIBI"] = static_cast<int64_t>(kHasDalibi);
   flags["SCALE_OPERAND"] = static_cast<int64_t>(kScaleOperand);
   flags["HAS_DSCALE"] = static_cast<int64_t>(kHasDscale);
+  flags["DROPOUT_OFFSETS"] = static_cast<int64_t>(kDropoutOffsets);
   nb::dict dtypes;
   dtypes["float32"] = static_cast<int32_t>(DType::kF32);
   dtypes["float16"] = static_cast<int32_t>(DType::kF16);

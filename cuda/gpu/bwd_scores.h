@@ -190,7 +190,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   };
   if constexpr (Cfg::kGeneral) {
     if (in.seed != nullptr) {
-      const DropoutKey dropout = make_dropout_key(in.seed, p.seed.col_stride, p.keep_threshold);
+      const DropoutKey dropout = make_dropout_key(p, in.seed);
       const FragRowKeys<MF> rows(dropout, m0 + row0, lane);
       for_each_dropout_decision<NF>(dropout, rows, n0 + col0, lane, [&](int mf, int nf, int i, bool keep) {
         const float pv = pr[mf][nf][i];

@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cp_async_16(smem_addr(stats + (2 * s + which) * BM + 4 * c), (which ? delta_rows : lse2_rows) + m0 + 4 * c);
       }
       if (Cfg::kDropout && tid < BM)
-        row_words[s * BM + tid] = make_dropout_key(seed, p.seed.col_stride, p.keep_threshold).row_key(m0 + tid);
+        row_words[s * BM + tid] = make_dropout_key(p, seed).row_key(m0 + tid);
       if (ids && tid < BM)
         cp_async_4_zfill(smem_addr(row_words + s * BM + tid), q_ids + (m0 + tid) * p.q_segment_ids.row_stride,
                          m0 + tid < p.seqlen_q ? 4 : 0);
@@ -450,8 +450,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         hold_acc(dp);
         // With dropout, element e of fragment nf is key row 8 (e / 2), query column
         // e % 2: a lane's keys s and s + 8 are a pair of cuda/dropout.h (warp_key0 is
-        // a multiple of 16), one hash per query column.
-        const uint32_t key_pair = dropout_pair(n0 + warp_key0 + frag_row(0, 0, lane));
+        // a multiple of 16, and so is the block's column offset), one hash per query column.
+        const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, seed).pair(n0 + warp_key0 + frag_row(0, 0, lane)) : 0u;
 #pragma unroll
         for (int nf = 0; nf < kSubM / 8; ++nf) {
           const int col = q0 + frag_col(nf, 0, lane);

@@ -64,9 +64,8 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
   // (NaN included), and 0 * NaN would leak into O through P = 0.
   auto kv_rows = [&](int n0) { return min(pos.kv_len - n0, BN); };
   // Dropout (general variant): this lane's row keys, hashed once for all key tiles.
-  const DropoutKey dropout = Cfg::kGeneral && ops.seed != nullptr
-                                 ? make_dropout_key(ops.seed, p.seed.col_stride, p.keep_threshold)
-                                 : DropoutKey{};
+  const DropoutKey dropout =
+      Cfg::kGeneral && ops.seed != nullptr ? make_dropout_key(p, ops.seed) : DropoutKey{};
   const FragRowKeys<Cfg::kMF> dropout_rows(dropout, m0 + warp_row, lane);
 
   // Segment ids: whether key tile n0 may see this query tile, and whether it

@@ -291,8 +291,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   uint32_t pa[BN / 16][4];  // P of the previous round, the A operand of O += P V
   float alpha[2];  // the rows' rescaling factors of the last softmax
   // Dropout: the lane's two row keys, hashed once for all key tiles.
-  const DropoutKey dropout =
-      Cfg::kDropout ? make_dropout_key(ops.seed, p.seed.col_stride, p.keep_threshold) : DropoutKey{};
+  const DropoutKey dropout = Cfg::kDropout ? make_dropout_key(p, ops.seed) : DropoutKey{};
   const FragRowKeys<1> dropout_rows(dropout, Cfg::kDropout ? warp_row0 : 0, lane);
 
   // Round i's buffers: the kv + i-th of the CTA's life.

@@ -27,8 +27,8 @@ struct FragRowKeys {
 
 // f(mf, nf, i, keep) for every score of the lane's block (NF n8 fragments wide)
 // whose first key is col0, a multiple of 16 when NF is even (the callers' tile
-// and warp origins), so that fragments 2j and 2j + 1 hold each pair's lower and
-// upper keys. (An odd NF, the float32 D = 192 / 256 backward's 8-column warps,
+// and warp origins, as is the block's column offset: cuda/dropout.h), so that
+// fragments 2j and 2j + 1 hold each pair's lower and upper keys. (An odd NF, the float32 D = 192 / 256 backward's 8-column warps,
 // decides each score alone.)
 template <int NF, int MF, class F>
 __device__ __forceinline__ void for_each_dropout_decision(const DropoutKey& dropout, const FragRowKeys<MF>& rows,
@@ -38,7 +38,7 @@ __device__ __forceinline__ void for_each_dropout_decision(const DropoutKey& drop
     for (int j = 0; j < NF / 2; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const uint32_t pair = dropout_pair(col0 + frag_col(2 * j, c, lane));
+        const uint32_t pair = dropout.pair(col0 + frag_col(2 * j, c, lane));
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
