@@ -226,6 +226,21 @@ __device__ __forceinline__ void load_tile(const Tile& tile, const typename Tile:
   }
 }
 
+// Rows [row0, row_end) of a tile zeroed, every column: rows that a sequence
+// length hides but that lie inside the tensor, so a TMA load read them (it
+// zero-fills only rows past the tensor); a probability of 0 there would still
+// carry 0 * (inf or NaN) from them into a product. The same trip count for
+// every thread (ptxas serialises wgmma near divergent code).
+template <class Tile>
+__device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_end, int tid, int threads) {
+  constexpr int kChunks = Tile::kCols / Tile::kChunkElems;
+  for (int i = row0 * kChunks; i < row_end * kChunks; i += threads) {
+    const int c = i + tid;
+    if (c < row_end * kChunks)
+      *reinterpret_cast<uint4*>(tile.ptr + Tile::chunk_offset(c / kChunks, c % kChunks)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Tile rows [row0, row0 + kRowsPerCopy) -> global `dst` (first of those rows),
 // copied by the `kCopyThreads` threads whose index in the group is `idx`. Rows
 // >= valid_rows and columns >= valid_cols are not written. `vec` as in
