@@ -152,6 +152,19 @@ __device__ __forceinline__ void tma_load_tile(const TmaOperand& op, const int (&
   }
 }
 
+// A contiguous copy of `bytes` from global src to shared dst by the bulk copy
+// engine (both 16-byte aligned, bytes a multiple of 16), counted against `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+#if JF_SM90_ASYNC
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#else
+  (void)dst, (void)src, (void)bytes, (void)bar;
+#endif
+}
+
 // Brings the tensor map into the TMA unit's cache ahead of its first use.
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
 #if JF_SM90_ASYNC
