@@ -23,6 +23,7 @@
 #include "bwd_kernel_traits.h"
 #include "instance.h"
 #include "segment_tile_ranges.h"
+#include "tma_encode.h"
 
 namespace jaxflash::gpu {
 
@@ -280,6 +281,15 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.sm90 = false;
 #endif
   if (rt.sm90 && (err = runs_sm90a_code(device, &rt.sm90)) != cudaSuccess) return err;
+  // Its producer warp loads Q and dO by TMA; where a descriptor cannot describe them
+  // (tma_encode.h: more than three instance axes that move the operand, strides beyond
+  // TMA's range), the mma.sync kernels run, as forward.cu's choose_sm90 does.
+  // (No query rows: nothing to load, and the mma.sync kernel writes dK = dV = 0.)
+  if (rt.sm90) {
+    const int block_m = bwd_sm90_block_m(d_pad);
+    rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, block_m) &&
+              encode_tma_operand(rt.tma_do, p, p.d_o, p.seqlen_q, block_m);
+  }
   if (rt.sm90) rt.general = false;  // its tiles are the fast variant's (bwd_tile_size.h)
   rt.dq = rt.sm90 ? bwd_sm90_dq_grid(d_pad) : bwd_dq_grid(elem_bytes, d_pad);
   const BwdTiles tiles = bwd_tiles(elem_bytes, d_pad, rt.general);

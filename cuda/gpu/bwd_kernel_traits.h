@@ -8,6 +8,7 @@
 #include "bwd_tile_size.h"
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
+#include "primitives/tma.h"
 #include "segment_tiles.h"
 #include "../params.h"
 
@@ -151,6 +152,7 @@ struct BwdRuntime {
   bool dq_bulk;   // sm_90+: dQ staged in shared memory and bulk-reduced
   bool general;   // the main kernel variant: bias, mask, dropout, score modifiers or unaligned q / k / v / dO rows
   bool sm90;      // the main kernel is the sm_90 (wgmma) one, bwd_sm90_kernel.h
+  TmaOperand tma_q, tma_do;  // its producer's descriptors of q and dO (tma_encode.h), when sm90
 
   // The main kernel: one CTA per (kept instance, key tile of the variant's
   // BLOCK_N); it loops over the `kv_reduced` instances that share its dK / dV

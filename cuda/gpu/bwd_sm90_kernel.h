@@ -30,11 +30,18 @@
 //
 // Overlap inside a warpgroup: dP^T runs while P^T is computed, dV while dS^T
 // is; the two warpgroups meet at two barriers per Q tile (the tile has
-// landed; dS^T is complete). Q / dO are double buffered with cp.async, so the
-// next tile loads during the whole current one.
+// landed and the previous one's dS^T is no longer read; dS^T is complete).
 //
-// The dQ writer: a third warpgroup whose one working thread adds each staged
-// dQ tile to the accumulator in the tile's turn (bwd_dq.h's protocol), so the
+// The loads: a producer warp (warp 0 of the third warpgroup) fills a two-stage
+// ring with each Q tile's Q and dO (TMA), lse2 and delta (bulk copies) and row
+// words (bwd_sm90_loads.h), so the next tile loads during the whole current
+// one and the consumers carry no load addressing. Only K / V, once per GQA
+// group, are still the consumers' cp.async. Rows in [q_len, T) that a sequence
+// length hides are inside the tensor, so the TMA reads them: the consumers zero
+// them (zero_rows) before the tile's barrier, as cp.async's zero fill did.
+//
+// The dQ writer: one thread of the third warpgroup (warp 1's first) adds each
+// staged dQ tile to the accumulator in the tile's turn (bwd_dq.h's protocol), so the
 // consumers never wait for another CTA's turn nor pay the GPU-scope release
 // of their own: on the H100 those were ~30% of the consumer warps' stall
 // samples (D = 128, N = 4k) when the warps did it themselves. The stage is
@@ -75,6 +82,7 @@
 #include "bwd_key_tile.h"
 #include "bwd_kernel_traits.h"
 #include "bwd_scores.h"
+#include "bwd_sm90_loads.h"
 #include "instance.h"
 #include "primitives/alibi.h"
 #include "primitives/smem_tile.h"
@@ -100,13 +108,16 @@ struct BwdSm90Config {
   static_assert(!(kDropout && kScoreMods), "dropout with score modifiers runs the mma.sync kernel");
   static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
-  static constexpr int kThreads = 128 + kConsumerThreads;  // and the dQ writer's
+  static constexpr int kThreads = 128 + kConsumerThreads;  // and the producer's and dQ writer's
   static constexpr int kConsumerBarrier = 1;  // the consumers' named barrier
   // Registers per thread after setmaxnreg (primitives/tma.h's balance): the
-  // writer's warpgroup keeps 24, the consumers get 240.
+  // producer's and writer's warpgroup keeps 24 (no fewer: a producer at too few
+  // hung the H100 in the forward), the consumers get 240.
   static constexpr int kWriterRegs = 24;
   static constexpr int kConsumerRegs = consumer_regs(kThreads, kConsumerThreads, kWriterRegs);
   static_assert(kConsumerRegs == 240, "the registers bwd_tile_size.h counts on");
+  static_assert(128 * kWriterRegs + kConsumerThreads * kConsumerRegs <= launch_regs(kThreads) * kThreads,
+                "setmaxnreg cannot give out more registers than the launch allocated");
   static constexpr int kGroupKeys = kBlockN / 2;
   static constexpr int kSubM = 64;  // queries per S^T / dP^T product
   static constexpr BwdDqGrid kDq = bwd_sm90_dq_grid(D);
@@ -122,7 +133,8 @@ struct BwdSm90Config {
   // (2 s, 2 s + 1) BLOCK_M floats, the Q tile's row words of stage s at
   // kRowWordsOff + s BLOCK_M words (the dropout's row keys, or with kScoreMods
   // the queries' segment ids), the two dQ stages, their mbarriers (full 0, 1,
-  // empty 0, 1) and their DqTurns.
+  // empty 0, 1), their DqTurns, and the Q-tile stages' mbarriers (QTileStages:
+  // full 0, 1, empty 0, 1).
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
   static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
   static constexpr int kRowWordsOff = kStatsOff + 4 * kBlockM * 4;
@@ -130,7 +142,8 @@ struct BwdSm90Config {
   static constexpr int kDqTileFloats = kBlockM * D;
   static constexpr int kDqBarsOff = kDqStageOff + 2 * kDqTileFloats * 4;
   static constexpr int kDqTurnsOff = kDqBarsOff + 4 * 8;
-  static constexpr int kSmemBytes = kDqTurnsOff + 2 * 16 + 1024;
+  static constexpr int kLoadBarsOff = kDqTurnsOff + 2 * 16;
+  static constexpr int kSmemBytes = kLoadBarsOff + 4 * 8 + 1024;
   static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
 };
 
@@ -225,7 +238,7 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    backward_sm90_kernel(const __grid_constant__ AttentionParams p, const BwdRuntime rt) {
+    backward_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ BwdRuntime rt) {
 #if JF_WGMMA && JF_BWD_DQ_BULK
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kThreads = Cfg::kConsumerThreads;
@@ -238,8 +251,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   char* const smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);  // the swizzle atoms' alignment
   const KTile sK{smem + Cfg::kKOff}, sV{smem + Cfg::kVOff};
   const DsTile sdS{smem + Cfg::kDsOff};
-  float* const stats = reinterpret_cast<float*>(smem + Cfg::kStatsOff);
-  uint32_t* const row_words = reinterpret_cast<uint32_t*>(smem + Cfg::kRowWordsOff);
+  const QTileStages<Cfg> stages{smem};
   float* const dq_stages = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
   uint64_t* const dq_full = reinterpret_cast<uint64_t*>(smem + Cfg::kDqBarsOff);
   uint64_t* const dq_empty = dq_full + 2;
@@ -252,14 +264,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbar_init(dq_full + s, kThreads / 32);  // one arrival per consumer warp
       mbar_init(dq_empty + s, 1);             // the writer's
     }
+    stages.init_barriers();
     mbar_init_fence();
   }
   const KeyTileTicket ticket = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
   // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
   const int64_t kept = ticket.kept, key_tile = ticket.key_tile;
-  if (warpgroup == 0) {
+  if (warpgroup == 0) {  // warp 0 the producer, warp 1's first thread the dQ writer
     regs_release<Cfg::kWriterRegs>();
-    if (threadIdx.x == 0) write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_turns, dq_full, dq_empty);
+    // The warp as a shuffled, warp-uniform value: on threadIdx.x < 32 ptxas kept the two
+    // roles' values live across both paths, as if a warp could take both, and spilled ~400
+    // bytes of the 24 registers.
+    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
+    if (warp == 0) load_q_tiles<Cfg>(p, rt, stages, kept, key_tile, threadIdx.x);
+    else if (threadIdx.x == 32) write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_turns, dq_full, dq_empty);
     return;
   }
   regs_acquire<Cfg::kConsumerRegs>();
@@ -272,9 +290,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int dq_row0 = Cfg::kDqSplitRows ? 64 * group : 0, dq_col0 = Cfg::kDqSplitRows ? 0 : 64 * group;
   const int dq_warp = (dq_row0 / 16 + warp % 4) * Cfg::kDq.warps_n + dq_col0 / 64;
   constexpr int kDqWarpFloats = 16 * 64;
+  // dS^T's stores: the lane's rows warp_key0 + lane / 4 (+ 8), columns 2 (lane % 4) (+ 8 k),
+  // one origin and an XOR per store (GmmaTile::origin_at). The sixteen addresses formed
+  // from scratch were hoisted out of the Q-tile loop as 16 registers, half of them spilled
+  // and reloaded for every tile (D = 128) once the loads left the consumers.
+  const uint32_t ds_origin = sdS.origin(warp_key0 + lane / 4, 2 * (lane % 4));
 
   const int64_t n0 = key_tile * BN;
-  const int head_dim = static_cast<int>(p.head_dim);
   // The soft-cap (kScoreMods): tanh's argument is S^T score_mul / softcap2.
   const bool capped = kMods && rt.softcap2 > 0.f;
   const float cap_in = capped ? rt.score_mul / rt.softcap2 : 0.f;
@@ -284,6 +306,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   zero_frags(dv);
 
   ResidentKv<T> resident;  // a GQA group shares the K/V rows
+  uint32_t q_tile_n = 0;   // Q tiles visited, over the whole walk: the load stage and its phase
   uint32_t dq_turn = 0;    // tiles handed to the writer: the dQ stage and its phase
   // Hands the next dQ stage to the writer (kScoreMods: with `turn`), once the writer's
   // reduction of two turns ago has read it; `stage_frags(dst)` first writes the tile's
@@ -307,21 +330,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (rows.lo >= rows.hi) continue;
     const int64_t i_last = (rows.hi - 1) / BM;
     auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
-      return kMods ? rt.segments.next_meeting_q_tile(linear, i, i_last, key_tile, lane) : i;
+      return visited_q_tile<kMods>(rt, linear, i, i_last, key_tile, lane);
     };
     const int64_t i_begin = visit_from(rows.lo / BM);
     if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
     const InstanceIndex inst(p, linear);
-    const T* q = inst.origin<const T>(p, p.q);
-    const T* d_o = inst.origin<const T>(p, p.d_o);
-    const float* lse2_rows = rt.lse2 + linear * rt.t_pad;
-    const float* delta_rows = rt.delta + linear * rt.t_pad;
-    const uint32_t* seed = Cfg::kDropout ? inst.origin<const uint32_t>(p, p.seed) : nullptr;
     const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
-    // Segment ids (kScoreMods): the queries', and the lane's two key rows' (keys past S
-    // are masked by position).
+    // Dropout: the pair (cuda/dropout.h) of the lane's keys s and s + 8 (warp_key0 is a
+    // multiple of 16, and so is the block's column offset); the rows' keys come with the tile.
+    const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, inst.origin<const uint32_t>(p, p.seed))
+                                                  .pair(n0 + warp_key0 + frag_row(0, 0, lane))
+                                            : 0u;
+    // Segment ids (kScoreMods): the queries' come with the tile (row words), the lane's
+    // two key rows' are loaded here (keys past S are masked by position).
     const bool ids = kMods && rt.segments.q != nullptr;
-    const int32_t* q_ids = ids ? inst.origin<const int32_t>(p, p.q_segment_ids) : nullptr;
     int32_t key_ids[2] = {};
     if (ids) {
       const int32_t* kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
@@ -339,46 +361,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     resident.template load<kThreads>(sK, sV, p, inst.origin<const T>(p, p.k) + n0 * p.k.row_stride,
                                      inst.origin<const T>(p, p.v) + n0 * p.v.row_stride,
                                      static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);
+    cp_async_commit();
+    cp_async_wait<0>();  // (visible to the other threads after the first tile's barrier)
 
-    // Q, dO and their rows' lse2 / delta (the workspace pads them to whole
-    // tiles: lse2 = +inf past q_len, so those rows' P is 0), and the rows'
-    // words: with dropout the rows' keys, hashed once per tile here rather
-    // than by each lane for the 16 queries of each of its sub-tiles; with
-    // segment ids the rows' ids (0 past T, where nothing reads them).
-    auto load_q_tile = [&](int64_t m0, int s) {
-      const int valid = static_cast<int>(min(b.q_len - m0, int64_t{BM}));
-      load_tile<kThreads>(QTile{smem + 2 * s * QTile::kBytes}, q + m0 * p.q.row_stride, p.q.row_stride, valid,
-                          head_dim, true, tid);
-      load_tile<kThreads>(QTile{smem + (2 * s + 1) * QTile::kBytes}, d_o + m0 * p.d_o.row_stride, p.d_o.row_stride,
-                          valid, head_dim, true, tid);
-      if (tid < BM / 2) {
-        const int which = tid / (BM / 4), c = tid % (BM / 4);
-        cp_async_16(smem_addr(stats + (2 * s + which) * BM + 4 * c), (which ? delta_rows : lse2_rows) + m0 + 4 * c);
-      }
-      if (Cfg::kDropout && tid < BM)
-        row_words[s * BM + tid] = make_dropout_key(p, seed).row_key(m0 + tid);
-      if (ids && tid < BM)
-        cp_async_4_zfill(smem_addr(row_words + s * BM + tid), q_ids + (m0 + tid) * p.q_segment_ids.row_stride,
-                         m0 + tid < p.seqlen_q ? 4 : 0);
-      cp_async_commit();
-    };
-
-    int stage = 0;
-    load_q_tile(i_begin * BM, stage);
 #pragma unroll 1
-    for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, stage ^= 1) {
+    for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, ++q_tile_n) {
       const int64_t m0 = i * BM;
       i_next = visit_from(i + 1);
-      cp_async_wait<0>();
-      fence_proxy_async_shared();  // the copies, before the tensor cores read them
+      const Stage<2> stage(q_tile_n);
+      mbar_wait(stages.full(stage.index), stage.parity);
+      const QTile sQ = stages.q(stage.index), sdO = stages.d_o(stage.index);
+      // Rows [q_len, T) of the tile hold the tensor's padding, which may be anything,
+      // NaN included: zeros, as the cp.async copies' zero fill gave (rows past T the
+      // TMA zero-filled).
+      if (m0 + BM > b.q_len && b.q_len < p.seqlen_q) {
+        const int row0 = static_cast<int>(b.q_len - m0), row_end = static_cast<int>(min(p.seqlen_q - m0, int64_t{BM}));
+        zero_rows(sQ, row0, row_end, tid, kThreads);
+        zero_rows(sdO, row0, row_end, tid, kThreads);
+      }
+      fence_proxy_async_shared();  // K / V's copies and the zeros, before the tensor cores read them
+      // Every warpgroup's dQ product of the previous tile (which reads all of dS^T) is
+      // complete: each waited for its own before this barrier.
       named_sync(Cfg::kConsumerBarrier, kThreads);
-      // The other stage was last read by the previous tile's products, which
-      // every warpgroup waited for before the barrier above.
-      if (i_next <= i_last) load_q_tile(i_next * BM, stage ^ 1);
-      const QTile sQ{smem + 2 * stage * QTile::kBytes}, sdO{smem + (2 * stage + 1) * QTile::kBytes};
-      const float* lse2 = stats + 2 * stage * BM;
-      const float* delta = lse2 + BM;
-      const uint32_t* tile_row_words = row_words + stage * BM;
+      const float* lse2 = stages.lse2(stage.index);
+      const float* delta = stages.delta(stage.index);
+      const uint32_t* tile_row_words = stages.row_words(stage.index);
 
       const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
       const bool id_test = ids && rt.segments.needs_test(linear, i, key_tile);
@@ -451,7 +458,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // With dropout, element e of fragment nf is key row 8 (e / 2), query column
         // e % 2: a lane's keys s and s + 8 are a pair of cuda/dropout.h (warp_key0 is
         // a multiple of 16, and so is the block's column offset), one hash per query column.
-        const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, seed).pair(n0 + warp_key0 + frag_row(0, 0, lane)) : 0u;
 #pragma unroll
         for (int nf = 0; nf < kSubM / 8; ++nf) {
           const int col = q0 + frag_col(nf, 0, lane);
@@ -495,8 +501,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           a_operand<T>(dsa[j], dp, j);
 #pragma unroll
           for (int t = 0; t < 4; ++t)
-            sdS.template at<uint32_t>(warp_key0 + lane / 4 + 8 * (t & 1), q0 + 16 * j + 8 * (t >> 1) + 2 * (lane % 4)) =
-                dsa[j][t];
+            sts_u32(DsTile::origin_at(ds_origin, 8 * (t & 1), q0 + 16 * j + 8 * (t >> 1)), dsa[j][t]);
         }
         const GmmaOperand<QTile, true> do_op(sdO, 0), q_op(sQ, 0);
         wgmma_fence();
@@ -526,6 +531,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
       hold_acc(dq);
+      mbar_arrive_if(stages.empty(stage.index), lane == 0);  // the tile's last reads of the stage
 
       // To the writer: each warp's block in the accumulator's layout.
       hand_over(turn, [&](float* stage_floats) {

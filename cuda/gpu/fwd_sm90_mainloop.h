@@ -176,23 +176,6 @@ struct FwdSm90Smem {
   }
 };
 
-// One TMA box per 64-column block of a tile whose rows start at `row`.
-template <class Tile>
-__device__ __forceinline__ void tma_load_tile(const FwdTmaOperand& op, const int (&inst)[3], uint64_t* bar,
-                                              const Tile& tile, int row) {
-#pragma unroll
-  for (int b = 0; b < Tile::kCols / Tile::kBlockCols; ++b) {
-    char* dst = tile.ptr + b * Tile::kBlockBytes;
-    const int col = b * Tile::kBlockCols;
-    switch (op.rank) {
-      case 2: tma_load<2>(&op.map, bar, dst, {col, row}); break;
-      case 3: tma_load<3>(&op.map, bar, dst, {col, row, inst[0]}); break;
-      case 4: tma_load<4>(&op.map, bar, dst, {col, row, inst[0], inst[1]}); break;
-      default: tma_load<5>(&op.map, bar, dst, {col, row, inst[0], inst[1], inst[2]}); break;
-    }
-  }
-}
-
 // The producer (one warp, whose lane 0 issues every copy; the whole warp steps
 // the walk) over the CTA's n-th query tile: Q, and the walk's key tiles from
 // `top` down, the first of them kv-th of the CTA's life (kv ends past the
@@ -247,20 +230,6 @@ __device__ __forceinline__ void forward_sm90_produce(const FwdRuntime& rt, const
   }
 }
 
-// Rows [row0, row_end) of V zeroed, every column: keys past kv_len that a
-// sequence length hides but that lie inside the tensor, so the TMA read them;
-// P is 0 there, but 0 * (inf or NaN) in the padding would still reach O. The
-// same trip count for every thread (ptxas serialises wgmma near divergent code).
-template <class Tile>
-__device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_end, int tid, int threads) {
-  constexpr int kChunks = Tile::kCols / Tile::kChunkElems;
-  for (int i = row0 * kChunks; i < row_end * kChunks; i += threads) {
-    const int c = i + tid;
-    if (c < row_end * kChunks)
-      *reinterpret_cast<uint4*>(tile.ptr + Tile::chunk_offset(c / kChunks, c % kChunks)) = make_uint4(0, 0, 0, 0);
-  }
-}
-
 // One consumer warpgroup (wg = 0 .. kConsumers - 1, warp-uniform; tid its thread index,
 // 0..127) over the walk's key tiles from `top` down (at least one) of the CTA's n-th
 // query tile: on return o holds its rows' unnormalised output and st their softmax
@@ -282,7 +251,8 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   const int warp_row0 = wg_row0 + 16 * warp;  // the warp's accumulator rows
   const FullTiles<BN> full(pos, wg_row0, min(wg_row0 + 64, pos.q_len) - 1);
   // The first tile loaded (the top one) may hold keys in [kv_len, S) that a
-  // sequence length hides: zeroed before its P V (zero_rows).
+  // sequence length hides: zeroed before its P V (zero_rows: 0 * (inf or NaN)
+  // in the padding would reach O).
   const int pad_end = min(top + BN, static_cast<int>(p.seqlen_k));
   const bool zero_v = pos.kv_len < pad_end;
 

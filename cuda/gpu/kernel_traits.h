@@ -9,6 +9,7 @@
 
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
+#include "primitives/tma.h"
 #include "segment_tiles.h"
 #include "tile_size.h"
 #include "../params.h"
@@ -69,25 +70,6 @@ struct FwdOperands {
   float* lse;  // null when absent
 };
 
-// One operand's TMA descriptor for the sm_90 forward (forward.cu builds it,
-// fwd_sm90_mainloop.h loads with it): a tensor of rank 2 + n, dims (head dim,
-// rows, then the n <= 3 instance axes with more than one element and a nonzero
-// stride). Boxes of 64 columns (128 bytes, the swizzle's width) by a tile's
-// rows. Tensor dim 2 + i of instance `linear` is at (linear / inst_div[i]) %
-// inst_size[i] (1 and 1 past n: coordinate 0).
-struct FwdTmaOperand {
-  CUtensorMap map;
-  int rank;
-  int64_t inst_div[3], inst_size[3];
-
-  // In 32 bits: instances fit in an int where this kernel runs (its tiles do, fwd_launch.h),
-  // and the persistent producer decodes every tile in 24 registers.
-  __device__ __forceinline__ void instance_coords(int linear, int (&c)[3]) const {
-#pragma unroll
-    for (int i = 0; i < 3; ++i) c[i] = linear / static_cast<int>(inst_div[i]) % static_cast<int>(inst_size[i]);
-  }
-};
-
 // Launch-time values, computed once on the host (see forward.cu).
 struct FwdRuntime {
   // Scores reach the softmax as s, in units where exp2(s * exp_scale) is the
@@ -119,7 +101,7 @@ struct FwdRuntime {
   // The sm_90 kernel runs (forward.cu: the device runs sm_90a code, the case
   // is covered, every operand has a TMA descriptor), with these descriptors.
   bool sm90;
-  FwdTmaOperand tma_q, tma_k, tma_v;
+  TmaOperand tma_q, tma_k, tma_v;
   // Segment ids: the id ranges of the tiles of the kernel that runs (the sm_90 one's or the
   // general variant's), in the forward's scratch (segment_tiles.h); null tables without ids.
   SegmentTiles segments;

@@ -37,6 +37,11 @@ __device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
 }
+// One 32-bit shared-memory store by shared address (addresses formed by XOR:
+// GmmaTile::origin_at).
+__device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 
 // 16-byte asynchronous global->shared copy. .cg: stream through L2 only; K/V
 // are reused across CTAs, not within one.

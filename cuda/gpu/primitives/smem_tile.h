@@ -130,6 +130,21 @@ struct GmmaTile {
   __device__ __forceinline__ U& at(int row, int col) const {
     return *reinterpret_cast<U*>(ptr + offset(row, col));
   }
+
+  // Addresses at offsets from one lane position that ptxas folds to an XOR and an
+  // immediate: the shared address of (row, col), col < 8, with the row's swizzle
+  // phase row % 8 added in bits 4-6, where the row's own address (a multiple of
+  // 128 bytes from a 1024-aligned base) has none. Then (row + drow, col + dcol),
+  // drow and dcol multiples of 8 (the phase unchanged, whole chunks), is
+  // origin_at(origin, drow, dcol): chunk c = dcol / 8 lands at position
+  // (c % 8) ^ (row % 8) of its column block. (SmemTile's Cursor, for this layout.)
+  __device__ __forceinline__ uint32_t origin(int row, int col) const {
+    return smem_addr(ptr) + row * 128 + (row % 8) * 16 + col * 2;
+  }
+  __device__ __forceinline__ static uint32_t origin_at(uint32_t origin, int drow, int dcol) {
+    const int c = dcol / kChunkElems;
+    return (origin ^ static_cast<uint32_t>((c % 8) * 16)) + (c / 8) * kBlockBytes + drow * 128;
+  }
 };
 
 // Raw bits of one element: loads and stores move bits, never convert.
@@ -223,6 +238,21 @@ __device__ __forceinline__ void load_tile(const Tile& tile, const typename Tile:
         for_chunk(pass, c, [&](char* s, const T* g, int n) {
           *reinterpret_cast<uint4*>(s) = load_chunk_bits(g, n);
         });
+  }
+}
+
+// Rows [row0, row_end) of a tile zeroed, every column: rows that a sequence
+// length hides but that lie inside the tensor, so a TMA load read them (it
+// zero-fills only rows past the tensor); a probability of 0 there would still
+// carry 0 * (inf or NaN) from them into a product. The same trip count for
+// every thread (ptxas serialises wgmma near divergent code).
+template <class Tile>
+__device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_end, int tid, int threads) {
+  constexpr int kChunks = Tile::kCols / Tile::kChunkElems;
+  for (int i = row0 * kChunks; i < row_end * kChunks; i += threads) {
+    const int c = i + tid;
+    if (c < row_end * kChunks)
+      *reinterpret_cast<uint4*>(tile.ptr + Tile::chunk_offset(c / kChunks, c % kChunks)) = make_uint4(0, 0, 0, 0);
   }
 }
 

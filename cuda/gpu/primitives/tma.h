@@ -92,6 +92,27 @@ struct Stage {
   __device__ __forceinline__ explicit Stage(uint32_t i) : index(static_cast<int>(i % S)), parity(i / S & 1u) {}
 };
 
+// One operand's TMA descriptor for the sm_90 kernels (tma_encode.h builds it on
+// the host; the forward's q, k, v, the backward's q and dO): a tensor of rank 2 + n,
+// dims (head dim, rows, then the n <= 3 instance axes with more than one element
+// and a nonzero stride). Boxes of 64 columns (128 bytes, the swizzle's width) by
+// a tile's rows. Tensor dim 2 + i of instance `linear` is at (linear /
+// inst_div[i]) % inst_size[i] (1 and 1 past n: coordinate 0).
+struct TmaOperand {
+  CUtensorMap map;
+  int rank;
+  int64_t inst_div[3], inst_size[3];
+
+  // In the width of `linear`'s type: the persistent forward's producer decodes every tile in
+  // 24 registers and passes an int (its instances fit one: fwd_launch.h), the backward an int64_t.
+  template <class Index>
+  __device__ __forceinline__ void instance_coords(Index linear, int (&c)[3]) const {
+#pragma unroll
+    for (int i = 0; i < 3; ++i)
+      c[i] = static_cast<int>(linear / static_cast<Index>(inst_div[i]) % static_cast<Index>(inst_size[i]));
+  }
+};
+
 // A TMA load of one box of `map` at element coordinates c (innermost first)
 // into shared memory at dst, its bytes counted against `bar`. R = the map's rank.
 template <int R>
@@ -122,6 +143,37 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* bar, 
         : "memory");
 #else
   (void)map, (void)bar, (void)dst, (void)c;
+#endif
+}
+
+// One TMA box per 64-column block of a tile (a GmmaTile) whose rows start at
+// `row`, of the instance at coordinates `inst` (TmaOperand::instance_coords).
+template <class Tile>
+__device__ __forceinline__ void tma_load_tile(const TmaOperand& op, const int (&inst)[3], uint64_t* bar,
+                                              const Tile& tile, int row) {
+#pragma unroll
+  for (int b = 0; b < Tile::kCols / Tile::kBlockCols; ++b) {
+    char* dst = tile.ptr + b * Tile::kBlockBytes;
+    const int col = b * Tile::kBlockCols;
+    switch (op.rank) {
+      case 2: tma_load<2>(&op.map, bar, dst, {col, row}); break;
+      case 3: tma_load<3>(&op.map, bar, dst, {col, row, inst[0]}); break;
+      case 4: tma_load<4>(&op.map, bar, dst, {col, row, inst[0], inst[1]}); break;
+      default: tma_load<5>(&op.map, bar, dst, {col, row, inst[0], inst[1], inst[2]}); break;
+    }
+  }
+}
+
+// A contiguous copy of `bytes` from global src to shared dst by the bulk copy
+// engine (both 16-byte aligned, bytes a multiple of 16), counted against `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, int bytes, uint64_t* bar) {
+#if JF_SM90_ASYNC
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#else
+  (void)dst, (void)src, (void)bytes, (void)bar;
 #endif
 }
 

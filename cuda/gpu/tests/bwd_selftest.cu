@@ -5,7 +5,8 @@
 // biases with dbias (over batch, over heads + keys, over heads + queries, a
 // scalar), masks with a fully masked row, segment ids (documents, documents on
 // tile boundaries, ids in any order; with dbias too), the logit soft-cap and
-// ALiBi (alone, together, with ids), dlse, unaligned rows, every
+// ALiBi (alone, together, with ids), dlse, unaligned rows, NaN in the rows past
+// the lengths, four instance axes (no TMA descriptor: the sm_90 fallback), every
 // padded head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
 // held to fp32 accuracy), a traced scale (the scale operand: dq of the scaled query in
 // float32, and dscale's partial sums, centred on the host's fp64 dscale_centre, plus the
@@ -74,6 +75,8 @@ struct Case {
   float softcap = 0.f;  // the logit soft-cap, 0 for none
   bool alibi = false;   // ALiBi: a slope per query head (alibi_slope_of)
   bool traced_scale = false;  // the scale as an operand (kScaleOperand), with kHasDscale
+  bool nan_padding = false;   // NaN in q / dO rows past q_len and k / v rows past kv_len
+  bool split_batch = false;   // the batch as two instance axes (B even): four that move q
 };
 
 Case exact(Case c) { return exact_variant(c); }
@@ -84,6 +87,22 @@ Case with_alibi(Case c) { return alibi_variant(c); }
 // Head n's ALiBi slope: large enough that the distance term moves the logits by several units
 // across a tile, different per head.
 float alibi_slope_of(int n) { return 0.25f / float(n + 1); }
+
+// Rows that the lengths hide hold NaN: kernels must read them as zeros (the sm_90
+// backward's TMA loads them, and its consumers zero them).
+Case nan_padded(Case c) {
+  c.nan_padding = true;
+  c.name += " + NaN padding";
+  return c;
+}
+
+// Four instance axes that move q and dO, one more than a TMA descriptor holds: the sm_90
+// backward falls back to the mma.sync kernels (tma_encode.h).
+Case four_axes(Case c) {
+  c.split_batch = true;
+  c.name += " (batch as 2 axes)";
+  return c;
+}
 
 Case traced(Case c) {
   c.traced_scale = true;
@@ -188,6 +207,14 @@ struct Problem {
       if (B > 2) kv_lens[0] = 0;
       if (B > 1) q_lens[1] = std::max(0, T - 7);
     }
+    if (c.nan_padding)
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h) {
+          for (int n = 0; n < N; ++n)
+            for (int t = q_lens[b]; t < T; ++t) q.set(q_index(b, n, t, h), NAN), d_o.set(q_index(b, n, t, h), NAN);
+          for (int kh = 0; kh < K; ++kh)
+            for (int s = kv_lens[b]; s < S; ++s) k.set(kv_index(b, kh, s, h), NAN), v.set(kv_index(b, kh, s, h), NAN);
+        }
     if (c.segments != Segments::kNone) {
       const uint32_t seed = static_cast<uint32_t>(rng());
       q_ids = segment_ids(c.segments, B, T, -1, seed);
@@ -387,6 +414,22 @@ struct Problem {
     const int64_t ws = jaxflash::gpu::backward_workspace_bytes(p.num_instances(), T, S, c.H, c.dtype,
                                                                p.has(jaxflash::kHasSegmentIds));
     d_ws = std::make_unique<DeviceBuffer>(size_t(ws) + 8);
+    if (c.split_batch) split_batch_axis();
+  }
+
+  // Axis 0 (batch) as two axes (B / 2, 2) in every view: the same instances in the same
+  // linear order.
+  void split_batch_axis() {
+    const int64_t inner = c.B / 2;
+    for (int d = p.num_inst_dims; d > 0; --d) p.inst_size[d] = p.inst_size[d - 1];
+    p.inst_size[0] = 2, p.inst_size[1] = inner;
+    for (ArrayView* view : {&p.scale_operand, &p.q, &p.k, &p.v, &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.seed,
+                            &p.q_segment_ids, &p.kv_segment_ids, &p.alibi_slopes, &p.o, &p.lse, &p.d_o, &p.delta,
+                            &p.dq, &p.dk, &p.dv, &p.dbias, &p.dalibi, &p.dscale, &p.dscale_centre}) {
+      for (int d = p.num_inst_dims; d > 0; --d) view->inst_stride[d] = view->inst_stride[d - 1];
+      view->inst_stride[0] = view->inst_stride[1] * inner;
+    }
+    ++p.num_inst_dims;
   }
 
   // One backward call on garbage-filled outputs and workspace (the workspace
@@ -769,6 +812,28 @@ int main(int argc, char** argv) {
                               2.f)),
       with_alibi(with_softcap({"f32 alibi + softcap 2 causal GQA T100 S150 H64", f32, 2, 4, 2, 100, 150, 64, kUnb, 0},
                               2.f)),
+      // The sm_90 backward's TMA loads: rows past the lengths hold NaN (its consumers zero Q /
+      // dO rows in [q_len, T) of the last tile, the TMA zero-fills rows past T), T not a
+      // multiple of the tile, GQA groups of several Q tiles, key tiles that see no query
+      // (causal, kv_len 0), windows and both alignments, the dropout-free copies on their
+      // producer's walk (segment ids: its skipping; ALiBi / soft-cap: the score-mods copy);
+      // then four instance axes, which no descriptor holds: the mma.sync fallback.
+      nan_padded({"bf16 lens GQA N4 K2 causal T200 S230 H64", bf16, 3, 4, 2, 200, 230, 64, kUnb, 0, false, Bias::kNone,
+                  false, Mask::kNone, true}),
+      nan_padded({"f16 lens window (50, 20) bottom-right T150 S170 H128", f16, 3, 2, 1, 150, 170, 128, 50, 20, true,
+                  Bias::kNone, false, Mask::kNone, true}),
+      nan_padded({"bf16 lens GQA N8 K2 T77 S300 H128", bf16, 3, 8, 2, 77, 300, 128, kUnb, kUnb, false, Bias::kNone,
+                  false, Mask::kNone, true}),
+      nan_padded(with_alibi({"f16 alibi lens causal GQA N4 K2 T260 S200 H64", f16, 3, 4, 2, 260, 200, 64, kUnb, 0,
+                             false, Bias::kNone, false, Mask::kNone, true})),
+      nan_padded(with_segments({"bf16 segments docs lens causal GQA N4 K2 T300 S300 H128", bf16, 3, 4, 2, 300, 300,
+                                128, kUnb, 0, false, Bias::kNone, false, Mask::kNone, true},
+                               Segments::kDocs)),
+      nan_padded({"bf16 lens (batch 1: q_len 0) GQA N4 K2 T6 S100 H64", bf16, 3, 4, 2, 6, 100, 64, kUnb, kUnb, false,
+                  Bias::kNone, false, Mask::kNone, true}),
+      four_axes({"bf16 causal GQA N4 K2 T150 S150 H64", bf16, 4, 4, 2, 150, 150, 64, kUnb, 0}),
+      four_axes(nan_padded({"f16 lens T100 S120 H128", f16, 4, 2, 2, 100, 120, 128, kUnb, kUnb, false, Bias::kNone,
+                            false, Mask::kNone, true})),
       // A traced scale (the general variants): GQA (dscale summed over the group), lengths with an
       // instance that sees no key, bias + dbias + mask, a window, a negative scale, tf32 and 3xTF32.
       traced({"bf16 GQA N8 K2 causal lens T100 S150 H128", bf16, 3, 8, 2, 100, 150, 128, kUnb, 0, false,
@@ -810,6 +875,9 @@ int main(int argc, char** argv) {
                                             Segments::kDocs),
                               4.f)),
       traced({"bf16 causal GQA N8 K2 T1000 S1000 H128", bf16, 2, 8, 2, 1000, 1000, 128, kUnb, 0}),
+      // The sm_90 backward at D = 64 (BLOCK_M 128), its producer crossing GQA instances.
+      nan_padded({"bf16 lens causal GQA N8 K2 T1500 S1500 H64", bf16, 3, 8, 2, 1500, 1500, 64, kUnb, 0, false,
+                  Bias::kNone, false, Mask::kNone, true}),
   };
   if (quick) det.clear();
   for (const Case& c : det) (run_determinism(c, 3, rng) ? passed : failed)++;
