@@ -43,7 +43,8 @@ JF_HOST_DEVICE int dtype_bytes(DType t) {
 //   seed                        : col = word (2 uint32 per instance, 4 with kDropoutOffsets), no rows
 //   q_segment_ids, kv_segment_ids : row = query / key position, no cols
 //   alibi_slopes                  : instance strides only (one slope per query head)
-//   dalibi                        : row = query position, col unused
+//   dalibi                        : row = key position,   col unused (the query heads' instances)
+//   dalibi_centre                 : row = query position, col unused
 //   dscale                        : row = key position, col unused
 //   dscale_centre                 : row = query position, col unused
 //   scale_operand                 : instance strides only (one scale per instance)
@@ -75,7 +76,7 @@ enum Flags : int64_t {
   kHasSegmentIds = 1 << 10,
   // alibi_slopes: the logits get -slope * |s - t - offset| (alibi_slope below).
   kHasAlibi = 1 << 11,
-  kHasDalibi = 1 << 12,  // backward: write dalibi (needs kHasAlibi)
+  kHasDalibi = 1 << 12,  // backward: write dalibi (needs kHasAlibi), reading dalibi_centre
   // The scale is the float32 scale operand's value for the instance (instance_scale below),
   // read when the kernel runs (a traced scale; AttentionParams::scale is then unused), and the
   // backward writes dq in float32 and without the scale factor: the gradient g of the scaled
@@ -114,7 +115,8 @@ struct AttentionParams {
   int64_t seqlen_k = 0;  // S
   int64_t head_dim = 0;  // H: the features of q and k (and dq, dk)
   // Hv: the features of v, and so of o, d_o and dv. jax.nn has Hv = H; the CPU kernels take any
-  // Hv (MLA-style (192, 128) heads), the CUDA handlers refuse Hv != H (cuda_handlers.cu).
+  // Hv (MLA-style (192, 128) heads), the CUDA handlers refuse Hv != H (cuda_handlers.cu): the
+  // CUDA lowering sends them such a call zero-padded to one head dim max(H, Hv) instead.
   int64_t value_head_dim = 0;
 
   float scale = 1.f;  // logits = scale * q.k + bias (without kScaleOperand: instance_scale)
@@ -168,10 +170,15 @@ struct AttentionParams {
   // jax.nn's.
   ArrayView d_o, delta;
   ArrayView dq, dk, dv, dbias;
-  // dalibi (kHasDalibi): float32, per query row t of each instance, the row's share of the
-  // slope's gradient, -Σ_s dS(t, s)·|s - t - offset| (dS: the gradient of the logit); Python
-  // sums it over the rows (and the axes the slopes are broadcast along). Per row, so that
-  // each element has one writer and the sum needs no atomics or tile-size contract.
+  // dalibi (kHasDalibi): float32, per key row s of each query-head instance (laid out as delta's
+  // instance axes with a row per key: dk's rows, dq's instances), that key's share of the slope's
+  // gradient centred on the rows' C_t = |E_t - t - offset| (E: dalibi_centre, below):
+  // -Σ_t dS(t, s)·(|s - t - offset| - C_t) (dS: the gradient of the logit, before a soft-cap's
+  // slope). Python sums it over the rows (and the axes the slopes are broadcast along) and, where
+  // the lse is differentiated, subtracts Σ_t C_t·dlse_t, what the centre took out (each row of dS
+  // sums to the lse's cotangent); it forms C as the kernels do (t + offset exact in float32). Per key row, so that each element has one writer on both
+  // platforms: the CUDA backward's CTAs own key tiles and visit every query of the GQA group's heads
+  // (per query row would need a reduction across CTAs); the sum needs no atomics or tile-size contract.
   ArrayView dalibi;
   // dscale (kHasDscale): float32, laid out as dk without its features (dk's instance strides, a
   // row per key): partial sums of a traced scale's gradient Σ dS·(q·k - C) (C: dscale_centre,
@@ -194,6 +201,16 @@ struct AttentionParams {
   // C with one more forward call, E_t = Σ_s P(t, s)·(q_t·k_s) = q·attention(q, k, v = k) (P before
   // dropout), and C = E, or under a soft-cap E·(1 - tanh²(scale·E/cap)) (docs/DESIGN.md).
   ArrayView dscale_centre;
+  // dalibi_centre (with kHasDalibi): float32, per query row t of each instance (delta's layout),
+  // E_t, the row's P-mean key position Σ_s P(t, s)·s from one more forward call (XLA; 0 for rows
+  // that see no key), from which the kernels form the row's centre C_t = |E_t - (t + offset)| of
+  // dalibi's sum, the P-mean distance wherever the row's keys lie on one side of the diagonal. They
+  // sum dS·(|d| - C_t), not dS·|d|: the forward's P·V rounds P to the input dtype, so each row of the
+  // kernels' dS sums to a small residue besides the lse's cotangent, which the uncentred sum
+  // multiplies by the row's mean distance (as large as T for rows far from the keys; docs/DESIGN.md).
+  // Any E is exact in exact arithmetic; the kernels compute C so that Python need not know t and
+  // the offset, except where the lse is differentiated.
+  ArrayView dalibi_centre;
 
   JF_HOST_DEVICE bool has(int64_t flag) const { return (flags & flag) != 0; }
 

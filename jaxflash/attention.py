@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxflash import primitives
 from jaxflash import ring as ring_lib
 from jaxflash.contract import OPTIONAL_INPUTS, Flag, KernelConfig, absent
-from jaxflash.layout import ROW, Layout, drop_col, role_axis, with_cols
+from jaxflash.layout import COL, ROW, Layout, drop_col, role_axis, with_cols, with_rows
 from jaxflash.validation import validate, validate_ring
 
 
@@ -44,8 +44,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | jax.Arr
     key, value: ``(B, S, K, H)``, ``(S, K, H)`` or ``(S, H)``; ``N % K == 0``
       (grouped-query attention; ``K == 1`` is multi-query). float32, float16 or
       bfloat16, all three the same dtype; ``H <= 256``. ``value``'s head dim ``Hv``
-      (``<= 256``) may differ from ``H`` (jax.nn's may not), e.g. MLA's ``(192, 128)``;
-      CPU kernels only so far: lowering for a GPU raises NotImplementedError.
+      (``<= 256``) may differ from ``H`` (jax.nn's may not), e.g. MLA's ``(192, 128)``; on
+      a GPU the call then runs zero-padded to ``max(H, Hv)`` features around the CUDA kernels
+      (which take one head dim), its results sliced back.
     bias: added to the logits; broadcastable to ``(B, N, T, S)`` (to ``(N, T, S)``
       for 3-D inputs, ``(T, S)`` for a single head), at most that rank; leading
       axes are added as in jax.nn. Differentiable.
@@ -111,11 +112,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale: float | jax.Arr
       after ``query_seq_lengths`` / ``key_value_seq_lengths``), which is FlashAttention's
       ``alibi_slopes`` exactly (``|i + seqlen_k - seqlen_q - j|``). Added after
       ``logits_soft_cap`` (uncapped), with ``bias``, as FlashAttention adds it; computed in the
-      kernel (no ``T×S`` array). Differentiable: the slopes' gradient is exact on the CPU
-      kernels; the CUDA kernels run ALiBi (general variant; on Hopper the backward's wgmma
-      kernel) but do not differentiate the
-      slopes yet: asking for their gradient in a call lowered for a GPU raises
-      NotImplementedError. Concrete slopes must be finite.
+      kernel (no ``T×S`` array). Differentiable on every backend: the kernels sum the slopes'
+      gradient per key row of each query head, centred on each query row's mean distance to
+      the diagonal, which one more forward call gives (made only when the slopes are
+      differentiated); on CUDA the backward then runs its general (mma.sync) kernels, on
+      Hopper too. Concrete slopes must be finite.
 
   Returns:
     The attention output, shaped like ``query`` with ``value``'s head dim (``(B, T, N, Hv)``);
@@ -227,9 +228,13 @@ def _flash_bwd(config, residuals, cotangents):
   if wanted.dbias and not closed_form_dbias:
     grad_layouts["dbias"] = config.layout("bias")
     flags |= Flag.HAS_DBIAS
+  mean_key = None
   if wanted.dslopes:
-    grad_layouts["dalibi"] = grad_layouts["delta"]
+    # Per key row of each query head: delta's instance axes, a row per key (cuda/params.h).
+    grad_layouts["dalibi"] = with_rows(grad_layouts["delta"], config.seq_dims[1])
+    grad_layouts["dalibi_centre"] = grad_layouts["delta"]
     flags |= Flag.HAS_DALIBI
+    mean_key, sees_key = _mean_keys(q, k, optional, config)
   bwd_config = config.with_layouts(grad_layouts).replace(flags=flags)
   centre = None
   if wanted.dscale:
@@ -237,14 +242,19 @@ def _flash_bwd(config, residuals, cotangents):
     centre = _dscale_centre(q, k, optional, config)
   dq, dk, dv, dbias, dalibi, dscale = primitives.backward_p.bind(
       q, k, v, *_with_placeholders(optional, q.dtype), lse2, delta, d_out.astype(q.dtype),
-      absent("dscale_centre", jnp.float32) if centre is None else centre, config=bwd_config)
+      absent("dscale_centre", jnp.float32) if centre is None else centre,
+      absent("dalibi_centre", jnp.float32) if mean_key is None else mean_key,
+      config=bwd_config)
   if closed_form_dbias:
     dbias = _row_shift_gradient(d_lse, lse2[..., 0], bias)
   d_optional = [None] * len(optional)
   if wanted.dbias:
     d_optional[_BIAS] = dbias
   if wanted.dslopes:
-    d_optional[_SLOPES] = _slopes_gradient(dalibi, bwd_config.layout("dalibi"), slopes)
+    differentiated_lse = not isinstance(d_lse, SymbolicZero)
+    centre = _alibi_centres(mean_key, sees_key, optional, config) if differentiated_lse else None
+    d_optional[_SLOPES] = _slopes_gradient(dalibi, bwd_config.layout("dalibi"), slopes, centre,
+                                           d_lse)
   if config.has(Flag.SCALE_OPERAND):
     dq = _query_gradient(q, dq, optional[_SCALE])
   if wanted.dscale:
@@ -252,11 +262,18 @@ def _flash_bwd(config, residuals, cotangents):
   return dq, dk, dv, tuple(d_optional)
 
 
-def _slopes_gradient(dalibi, layout: Layout, slopes):
-  """The ALiBi slopes' gradient from the kernel's per-row shares (dalibi, laid out as delta:
-  (B, T, N) / (T, N) / (T,)): summed over the rows, then over the batch where the slopes are
-  shared by it ((N,) slopes of 4-D inputs)."""
+def _slopes_gradient(dalibi, layout: Layout, slopes, centre=None, d_lse=None):
+  """The ALiBi slopes' gradient from the kernel's per-key-row shares (dalibi, laid out as delta
+  with a row per key: (B, S, N) / (S, N) / (S,)), -Σ dS·(|d| - C) with C the rows' centres
+  (_mean_keys): summed over the rows, less Σ_t C_t·d_lse_t where the lse is differentiated (`centre`,
+  _alibi_centres: what the centre took out of rows whose dS sums to the lse's cotangent d_lse, the
+  natural lse's: dlse/dlogit = P), then summed over the batch where the slopes are shared by it
+  ((N,) slopes of 4-D inputs). Under vmap this rule runs batched: each mapped item's slopes get
+  their own sum."""
   g = jnp.sum(dalibi, axis=role_axis(layout, ROW))
+  if centre is not None:
+    # The centre and d_lse are laid out as delta, which has dalibi's axes (rows of queries).
+    g = g - jnp.sum(centre * d_lse.astype(jnp.float32), axis=role_axis(layout, ROW))
   g = jnp.sum(g, axis=tuple(range(g.ndim - slopes.ndim)))
   return g.reshape(slopes.shape).astype(slopes.dtype)
 
@@ -321,6 +338,88 @@ def _dscale_centre(q, k, optional, config: KernelConfig):
   optional = tuple(None if slot == "seed" else x for x, slot in zip(optional, OPTIONAL_INPUTS))
   out32, _lse2 = _bind_forward(q, k, k, optional, _centre_config(config))
   return _centre_rows(q, out32, optional[_SCALE], config)
+
+
+def _mean_keys(q, k, optional, config: KernelConfig):
+  """The rows' P-mean key positions E_t[s] (the backward's dalibi_centre operand) and whether each
+  row sees a key (1 or 0), float32, laid out as delta. The kernels sum dS·(|d| - C_t) per key row,
+  d = s - t - offset the distance to the diagonal and C_t = |E_t[s] - t - offset| (they know t and
+  offset), and _slopes_gradient adds Σ_t C_t·dlse_t back (_alibi_centres), so any E gives the same
+  gradient in exact arithmetic. But the forward's P·V rounds P to the input dtype (CUDA), so each
+  row of the kernels' dS sums to a residue δ_t besides dlse_t, which the uncentred sum multiplies by
+  the row's P-mean distance E_t|d|: as large as T for the rows of T > S past the keys (top-left),
+  where it came to 3-35x the tests' accuracy bar in a float64 emulation of the CUDA kernels
+  (docs/DESIGN.md, Autodiff). C_t equals E_t|d| wherever the row's visible keys lie on one side of
+  the diagonal (causal masking, rows past the keys), and is close where ALiBi concentrates P near
+  it. E_t[s] = attention(q, k, v = key positions)_t: one more forward call with the call's logits
+  (bias, masks, lengths, window, segment ids, ALiBi, soft-cap, scale), no dropout (the P that δ
+  multiplies is the undropped one) and the float32 output, made only when the slopes are
+  differentiated. The positions go in as an (S, H) operand shared by every instance (stride 0),
+  scaled by a power of two into float16's range. Rows that see no key get E = 0 (their dS is 0)."""
+  T, S, H, _ = config.seq_dims
+  shift = max(0, (S - 1).bit_length() - 15)  # positions * 2**-shift < 2**15: float16 holds them
+  positions = jnp.arange(S, dtype=jnp.float32) * np.float32(2.0 ** -shift)
+  v = jnp.broadcast_to(positions[:, None], (S, H)).astype(q.dtype)
+  optional = tuple(None if slot == "seed" else x for x, slot in zip(optional, OPTIONAL_INPUTS))
+  out32, lse2 = _bind_forward(q, k, v, optional, _alibi_centre_config(config))
+  # Every feature holds the same mean. Reductions over the features rather than out32[..., 0],
+  # whose batching rule moves a vmapped axis to the front (a transpose in the compiled program);
+  # lse2's pair is (-inf, 0) on the rows that see no key.
+  mean_key = jnp.max(out32, axis=-1) * np.float32(2.0 ** shift)
+  return mean_key, (jnp.min(lse2, axis=-1) > -jnp.inf).astype(jnp.float32)
+
+
+def _alibi_centres(mean_key, sees_key, optional, config: KernelConfig):
+  """The kernels' centres C_t = |E_t[s] - (t + offset)| (float32, laid out as delta, computed as
+  the kernels compute them: t + offset an exact integer below 2**24), 0 on the rows that see no key
+  (whose dS sums to 0, not to dlse). Needed only where the lse is differentiated."""
+  rows = drop_col(config.layout("o"))  # delta's layout
+  return jnp.abs(mean_key - _diagonal_keys(config, optional, rows)) * sees_key
+
+
+def _alibi_centre_config(config: KernelConfig) -> KernelConfig:
+  """The forward config of attention(q, k, v = key positions) with `config`'s logits: v is an
+  (S, H) array shared by every instance (no instance axes: stride 0), o has H features (float32),
+  no dropout."""
+  T, S, H, _ = config.seq_dims
+  layouts = {slot: layout for slot, layout in config.layouts if slot != "seed"}
+  layouts.update(v=((ROW, S), (COL, H)), o=with_cols(layouts["o"], H))
+  return config.replace(layouts=tuple(sorted(layouts.items())), seq_dims=(T, S, H, H),
+                        flags=(config.flags | Flag.OUTPUT_F32) & ~Flag.DROPOUT,
+                        keep_threshold=0, keep_scale=1.0)
+
+
+def _diagonal_keys(config: KernelConfig, optional, rows: Layout):
+  """Float32, broadcastable to arrays laid out as `rows` (delta's): t + offset for each query row
+  t, the key on its diagonal (cuda/params.h, instance_bounds): offset = config.diagonal, plus
+  kv_len - q_len with Flag.BOTTOM_RIGHT, the lengths clamped to [0, T] and [0, S] as the kernels
+  clamp them."""
+  T, S = config.seq_dims[:2]
+  shape = [1] * len(rows)
+  shape[role_axis(rows, ROW)] = T
+  t = jnp.reshape(jnp.arange(T, dtype=jnp.float32), shape) + np.float32(config.diagonal)
+  if not config.has(Flag.BOTTOM_RIGHT):
+    return t
+  lengths = dict(zip(OPTIONAL_INPUTS, optional))
+
+  def length(slot, full):
+    x = lengths[slot]
+    if x is None:
+      return np.float32(full)
+    return _by_instance(jnp.clip(x, 0, full).astype(jnp.float32), config.layout(slot), rows)
+
+  return t + (length("kv_lens", S) - length("q_lens", T))
+
+
+def _by_instance(x, layout: Layout, rows: Layout):
+  """An operand with instance axes only (a sequence length, laid out as `layout`) reshaped to
+  broadcast against arrays laid out as `rows`: each of its axes of size > 1 goes where `rows`
+  has that axis (the same instance axes), in the same order."""
+  shape = [1] * len(rows)
+  for role, size in layout:
+    if size != 1:
+      shape[next(i for i, (r, _) in enumerate(rows) if r == role)] = size
+  return jnp.reshape(x, shape)
 
 
 def _scale_gradient(dscale_parts, scale, centre=None, d_lse=None):

@@ -133,19 +133,35 @@ def table(tokens, seqlens, head_dims, dtypes, repeats, hidden=2048):
 
 
 def longest_sequence(start, limit, heads=16, head_dim=128, dtype=jnp.bfloat16):
-  """Per path, the longest single sequence (doubling from `start`) that runs fwd+bwd."""
+  """Per path, the longest single sequence (doubling from `start`) that runs fwd+bwd, and the
+  seconds of one call at that length: {name: (length, seconds)}, (None, None) if none ran."""
   longest = {}
   for name, fn in paths().items():
-    n, best = start, None
+    n, best, seconds = start, None, None
     while n <= limit:
       t, _ = measure(fn, inputs(jax.random.key(0), 1, n, heads, head_dim, dtype), True, True, 1)
       if not isinstance(t, float):
         break
-      best, n = n, 2 * n
-    longest[name] = best
+      best, seconds, n = n, t, 2 * n
+    longest[name] = (best, seconds)
     print(f"longest causal fwd+bwd sequence, {heads} heads x {head_dim}, {jnp.dtype(dtype).name}: "
-          f"{name}: {best if best else 'none'} (limit {limit})", flush=True)
+          f"{name}: {f'{best} in {seconds:.3f} s' if best else 'none'} (limit {limit})", flush=True)
   return longest
+
+
+def longest_ratio(longest) -> str | None:
+  """jaxflash's time over cuDNN's at the longest length, where both reached the same one."""
+  ours, cudnn = longest.get("jaxflash", (None, None)), longest.get("cudnn", (None, None))
+  if not ours[0] or ours[0] != cudnn[0]:
+    return None
+  return f"jaxflash / cudnn time at {ours[0]}: {ours[1] / cudnn[1]:.2f}"
+
+
+def longest_lines(longest) -> list[str]:
+  """The search's result as markdown lines."""
+  lines = [f"longest causal fwd+bwd sequence (16 heads x 128, bf16), {name}: "
+           f"{f'{n} in {t:.3f} s' if n else 'none'}" for name, (n, t) in longest.items()]
+  return lines + ([longest_ratio(longest)] if longest_ratio(longest) else [])
 
 
 def main(argv=None) -> int:
@@ -176,10 +192,11 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
       f.write(f"{title}\n\n" + "\n".join(lines) + "\n")
   longest = longest_sequence(args.longest_from, args.longest_limit) if args.longest_from else {}
-  if args.out:
+  if longest_ratio(longest):
+    print(longest_ratio(longest), flush=True)
+  if args.out and longest:
     with open(args.out, "a") as f:
-      for name, n in longest.items():
-        f.write(f"\nlongest causal fwd+bwd sequence (16 heads x 128, bf16), {name}: {n}\n")
+      f.write("\n" + "\n\n".join(longest_lines(longest)) + "\n")
   return 0
 
 

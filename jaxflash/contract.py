@@ -36,7 +36,9 @@ class Flag(enum.IntFlag):
   DROPOUT = 1 << 9  # attention dropout on P, decided from the seed operand
   HAS_SEGMENT_IDS = 1 << 10  # q_segment_ids and kv_segment_ids: a key is seen from equal ids only
   HAS_ALIBI = 1 << 11  # alibi_slopes: the logits get -slope * |distance to the diagonal|
-  HAS_DALIBI = 1 << 12  # backward: write dalibi, the slopes' gradient per query row
+  # backward: write dalibi, the slopes' gradient per key row of each query head, centred on the
+  # dalibi_centre operand's rows
+  HAS_DALIBI = 1 << 12
   # The scale is the scale operand's value (a traced scale: one float32 per instance, like the
   # ALiBi slopes), not the attribute; the backward then writes dq in float32 and without the
   # scale factor: the gradient of the scaled query scale·q.
@@ -58,7 +60,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # The operand slots of the "strides" attribute, in the order of enum Slot (decode.h).
 SLOTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "o", "lse",
          "d_o", "delta", "dq", "dk", "dv", "dbias", "seed", "q_segment_ids", "kv_segment_ids",
-         "alibi_slopes", "dalibi", "scale", "dscale", "dscale_centre")
+         "alibi_slopes", "dalibi", "scale", "dscale", "dscale_centre", "dalibi_centre")
 
 # kMaxInstanceDims. Python merges what it can before lowering; nested vmaps may still need a few.
 MAX_INSTANCE_DIMS = 8
@@ -77,17 +79,22 @@ FORWARD_INPUTS = ("q", "k", "v", "bias", "mask", "q_lens", "kv_lens", "seed", "q
 OPTIONAL_INPUTS = FORWARD_INPUTS[3:]
 # dscale_centre: with HAS_DSCALE, each query row's centre of dscale's sum, its mean logit
 # E = Σ P∘(q·kᵀ) (under a soft-cap times the cap's slope at E; float32, laid out as delta:
-# jaxflash/attention.py, _dscale_centre); a zero-size placeholder otherwise.
-BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o", "dscale_centre")
+# jaxflash/attention.py, _dscale_centre); a zero-size placeholder otherwise. dalibi_centre: with
+# HAS_DALIBI, each query row's P-mean key position E = Σ P·s, from which the kernels centre
+# dalibi's sum on |E - t - offset| (float32, laid out as delta: jaxflash/attention.py,
+# _mean_keys); zero-size otherwise.
+BACKWARD_INPUTS = FORWARD_INPUTS + ("lse", "delta", "d_o", "dscale_centre", "dalibi_centre")
 FORWARD_RESULTS = ("o", "lse", "workspace")
-# dalibi: per query row, that row's share of the ALiBi slope's gradient; dscale: laid out as dk
-# without its features, partial sums of a traced scale's gradient (cuda/params.h).
+# dalibi: per key row of each query head (delta's instance axes, a row per key), that key's share
+# of the ALiBi slope's gradient; dscale: laid out as dk without its features, partial sums of a
+# traced scale's gradient (cuda/params.h).
 BACKWARD_RESULTS = ("dq", "dk", "dv", "dbias", "dalibi", "dscale", "workspace")
 
 # The slots whose ROW axis runs along the query positions; the other slots with a
-# ROW axis (k, v, dk, dv) run along the key positions (view_extent in decode.h).
+# ROW axis (k, v, dk, dv, kv_segment_ids, dalibi, dscale) run along the key positions
+# (view_extent in decode.h).
 QUERY_ROW_SLOTS = ("q", "o", "lse", "d_o", "delta", "dq", "bias", "mask", "dbias",
-                   "q_segment_ids", "dalibi", "dscale_centre")
+                   "q_segment_ids", "dscale_centre", "dalibi_centre")
 # The CUDA kernels copy rows of these in contiguous chunks: their feature (COL)
 # axis must be minor-most in memory.
 COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
@@ -96,7 +103,7 @@ COL_MINOR_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
 ABSENT_DTYPES = {"mask": jnp.bool_, "q_lens": jnp.int32, "kv_lens": jnp.int32, "seed": jnp.uint32,
                  "q_segment_ids": jnp.int32, "kv_segment_ids": jnp.int32,
                  "alibi_slopes": jnp.float32, "scale": jnp.float32,
-                 "dscale_centre": jnp.float32}
+                 "dscale_centre": jnp.float32, "dalibi_centre": jnp.float32}
 
 
 def absent(slot: str, dtype) -> jax.Array:

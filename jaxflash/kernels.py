@@ -5,7 +5,7 @@
                           -> (o, lse, workspace)
 ``jaxflash_bwd_kernel``: (q, k, v, bias, mask, q_lens, kv_lens, seed,
                           q_segment_ids, kv_segment_ids, alibi_slopes, scale, lse, delta,
-                          d_o, dscale_centre)
+                          d_o, dscale_centre, dalibi_centre)
                          -> (dq, dk, dv, dbias, dalibi, dscale, workspace)
 
 lse is in base 2 (log2 of the sum of 2^(log2(e) logit)), as two floats per row, hi and
@@ -16,9 +16,12 @@ Absent optional operands are zero-size arrays (flags say which are present);
 Flag.DROPOUT_OFFSETS the place of the call's block in the whole problem (ring attention's calls:
 ring.placed_seed); ``scale``
 the float32 scale of a traced scale (Flag.SCALE_OPERAND), one per instance as the
-ALiBi slopes are (under vmap, a per-item scale is batched like any operand). ``dalibi`` is the
-ALiBi slopes' gradient per query row (float32, laid out as delta), zero-size without
-HAS_DALIBI; jaxflash/attention.py sums it over the rows. ``dscale`` holds partial sums of a
+ALiBi slopes are (under vmap, a per-item scale is batched like any operand). ``dalibi`` holds the
+ALiBi slopes' gradient per key row of each query head (float32, laid out as delta with a row per
+key: delta's instance axes, k's rows), centred on each query row's |E - t - offset| with E from
+``dalibi_centre`` (with HAS_DALIBI, else zero-size: each query row's P-mean key position, float32,
+laid out as delta; jaxflash/attention.py, _mean_keys), zero-size without HAS_DALIBI;
+jaxflash/attention.py sums it over the rows and adds the centre's share back. ``dscale`` holds partial sums of a
 traced scale's gradient (float32, laid out as dk without its features: a row per key), zero-size
 without HAS_DSCALE; jaxflash/attention.py sums them whole. ``dscale_centre`` (with HAS_DSCALE,
 else zero-size) is each query row's centre of that sum, its mean logit Σ P∘(q·kᵀ) (float32, laid
@@ -30,13 +33,16 @@ ranges (zero-size in a CPU-only build; the CPU kernels ignore it).
 Each primitive has an abstract evaluation, a batching rule that folds the
 vmapped axis into the kernel's instance space (no transpose or copy of the
 operands: the axis becomes a stride), and a lowering to the FFI target of the
-platform (cuda/ffi/*_handlers). They are bound by the partitioning stage
+platform (cuda/ffi/*_handlers); on CUDA, whose kernels take one head dim, a value head dim
+other than the query/key one is zero-padded to it around the call (call_with_one_head_dim).
+They are bound by the partitioning stage
 (jaxflash/partitioning.py) with the config of one device's shard, and by ring
 attention (jaxflash/ring.py), which a shard_map user may vmap.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -50,7 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxflash import __version__, native
 from jaxflash.contract import (BACKWARD_INPUTS, BACKWARD_RESULTS, DTYPE_CODES, FORWARD_INPUTS,
                                CUDA_MAX_SEQLEN, FORWARD_RESULTS, Flag, KernelConfig)
-from jaxflash.layout import insert_axis, lse_layout, shape_of
+from jaxflash.layout import COL, insert_axis, lse_layout, role_axis, shape_of, with_cols
 
 _native = native.load(__version__)
 
@@ -129,7 +135,8 @@ def backward_batching_rule(primitive, extra_results: int):
     # batched (JAX sums those afterwards); each lands where its operand had the
     # vmapped axis, else in front.
     updates, out_dims = {}, []
-    # dalibi has a row per query of each instance, as delta has: it goes where delta has the axis.
+    # dalibi has delta's instance axes (a row per key of each query head): it goes where delta
+    # has the axis.
     # dscale is k's instances and rows: where k has the axis, or last if that is past k's
     # features (dscale has none).
     for grad, operand in (("dq", 0), ("dk", 1), ("dv", 2), ("dbias", 3),
@@ -150,7 +157,10 @@ def backward_batching_rule(primitive, extra_results: int):
 
 def _workspace_aval(q, config: KernelConfig, bytes_of):
   """The uint8 scratch result, `bytes_of` the native module's size for this direction."""
-  T, S, H, _ = config.seq_dims  # (only the CUDA kernels have a workspace, and they take Hv = H)
+  # Only the CUDA kernels have a workspace, and they take one head dim: a call with a value
+  # head dim Hv other than H runs as a call of head dim max(H, Hv), which sizes its own
+  # (call_with_one_head_dim); this one then goes unused.
+  T, S, H, _ = config.seq_dims
   size = bytes_of(math.prod(config.instance_sizes), T, S, H, DTYPE_CODES[jnp.dtype(q.dtype).name],
                   config.has(Flag.HAS_SEGMENT_IDS))
   return result_aval(q, (size,), jnp.uint8)
@@ -193,21 +203,9 @@ def _lowering(target: str):
 def _check_cuda_call(config: KernelConfig) -> None:
   """What the CUDA kernels cannot run, refused when the call is lowered for a GPU rather than
   by the kernel at run time: sequences of 2**28 positions or more (positions are 32-bit,
-  contract.CUDA_MAX_SEQLEN), the gradient of ALiBi's slopes (the CUDA kernels run ALiBi but
-  do not differentiate its slopes yet) and a value head dim other than the query/key one (not
-  in the CUDA kernels yet)."""
-  T, S, H, Hv = config.seq_dims
-  if Hv != H:
-    raise NotImplementedError(
-        f"jaxflash.attention: a value head dim (value.shape[-1] = {Hv}) other than the "
-        f"query/key head dim ({H}) runs on the CPU kernels only for now; the CUDA kernels take "
-        f"value.shape[-1] == query.shape[-1] only.")
-  if config.has(Flag.HAS_DALIBI):
-    raise NotImplementedError(
-        "jaxflash.attention: the gradient of alibi_slopes is computed on the CPU kernels only for "
-        "now; on the GPU, differentiate q, k and v with fixed slopes "
-        "(alibi_slopes=jax.lax.stop_gradient(slopes)), or pass a dense bias of -slope * "
-        "|distance| to learn them (T x S memory).")
+  contract.CUDA_MAX_SEQLEN). A value head dim other than the query/key one is no refusal: the
+  CUDA lowering runs it as a call of one head dim (call_with_one_head_dim)."""
+  T, S = config.seq_dims[:2]
   for what, n in (("query sequence length (query.shape[-3])", T),
                   ("key/value sequence length (key.shape[-3])", S),
                   ("ring attention's block offset", abs(config.diagonal))):
@@ -235,13 +233,100 @@ def _cuda_lowering(target: str, inputs: Sequence[str], results: Sequence[str]):
   return rule
 
 
-def register_lowerings(platform: str) -> None:
-  """Registers the forward and backward lowerings for `platform` ("cpu" or "cuda")."""
+# The slots whose COL axis is the head dim: H features for q, k, dq and dk, Hv for v, o, d_o and
+# dv.
+FEATURE_SLOTS = ("q", "k", "v", "o", "d_o", "dq", "dk", "dv")
+
+
+def call_with_one_head_dim(bind, inputs: Sequence[str], results: Sequence[str], *args,
+                           config: KernelConfig, workspace_bytes: int):
+  """bind(*args, config=config) for a call whose value head dim Hv differs from its query/key
+  head dim H, made as a call of one head dim D = max(H, Hv), for kernels that take only one
+  (the CUDA kernels size every tile, and pick their instantiation, by it).
+
+  `bind` binds a kernel primitive whose operands and results are named by `inputs` and
+  `results` (FORWARD_INPUTS and FORWARD_RESULTS, or the BACKWARD_ ones). The narrower operands
+  get zero features up to D, along the COL axis of their layout wherever that axis lies (vmap
+  may put an axis after it): v and d_o when Hv < H, q and k when Hv > H. The wider results are
+  sliced back to their own width: o and dv to Hv when Hv < H, dq and dk to H when Hv > H.
+
+  Why the zeros change nothing: a zero column of v gives a zero column of o and of dv, and a
+  zero column of v and d_o adds nothing to dO·Vᵀ (Δ = rowsum(dO∘O), an operand, is formed by
+  the caller from the Hv real columns); a zero feature of q and k adds nothing to any logit
+  q·k, so P, the lse, o and dv are the Hv ≠ H call's, and dq, dk get zero columns past H
+  (dropped). The scale is the config's own (its `scale`, 1/sqrt(H) unless given, or the traced
+  scale operand), never one derived from D. The uint8 workspace, scratch with undefined
+  contents, is cut or zero-extended to `workspace_bytes`, the size the original call's abstract
+  evaluation gave it (the D call sizes its own).
+
+  What it costs: a zero-padded copy of each widened operand and a full-width copy of each
+  sliced result, D/Hv (or D/H) times their memory and traffic, held for the call (for MLA's
+  H = 192, Hv = 128: v and dO padded, o and dv sliced, each at 1.5 times its size), and the
+  kernel's work at head dim D: for Hv < H the products with v (P·V, dO·Vᵀ, dV) run over H
+  columns, for Hv > H those with q and k (Q·Kᵀ, dQ, dK) over Hv.
+  """
+  T, S, H, Hv = config.seq_dims
+  D = max(H, Hv)
+  wide = {slot: with_cols(config.layout(slot), D) for slot in FEATURE_SLOTS
+          if config.layout(slot) is not None}
+  one_dim = config.replace(seq_dims=(T, S, D, D)).with_layouts(wide)
+
+  operands = []
+  for slot, x in zip(inputs, args):
+    if slot in wide and x.shape != shape_of(wide[slot]):
+      padding = [(0, 0, 0)] * x.ndim
+      col = role_axis(config.layout(slot), COL)
+      padding[col] = (0, D - x.shape[col], 0)
+      x = jax.lax.pad(x, jnp.zeros((), x.dtype), padding)
+    operands.append(x)
+  outs = []
+  for slot, y in zip(results, bind(*operands, config=one_dim)):
+    if slot in wide and y.shape != shape_of(config.layout(slot)):
+      col = role_axis(config.layout(slot), COL)
+      y = jax.lax.slice_in_dim(y, 0, config.layout(slot)[col][1], axis=col)
+    elif slot == "workspace" and y.shape != (workspace_bytes,):
+      y = (jax.lax.slice(y, (0,), (workspace_bytes,)) if y.shape[0] > workspace_bytes else
+           jax.lax.pad(y, jnp.zeros((), y.dtype), [(0, workspace_bytes - y.shape[0], 0)]))
+    outs.append(y)
+  return outs
+
+
+def _with_one_head_dim(primitive, inputs: Sequence[str], results: Sequence[str], rule):
+  """The lowering `rule` of kernels that take one head dim, extended to a call whose value head
+  dim differs from the query/key one: that call is lowered as call_with_one_head_dim (traced
+  and lowered in its place: zero padding, one call of one head dim lowered by `rule`, slices).
+  Only the lowering changes: abstract evaluation, batching and partitioning see the call as it
+  is, and the other platforms' kernels take both head dims natively."""
+  def lowering(ctx, *args, config):
+    _, _, H, Hv = config.seq_dims
+    if Hv == H:
+      return rule(ctx, *args, config=config)
+    workspace = ctx.avals_out[results.index("workspace")]
+    one_dim_call = functools.partial(call_with_one_head_dim, primitive.bind, inputs, results,
+                                     workspace_bytes=workspace.shape[0])
+    return mlir.lower_fun(one_dim_call, multiple_results=True)(ctx, *args, config=config)
+  return lowering
+
+
+def register_lowerings(platform: str, one_head_dim: bool | None = None) -> None:
+  """Registers the forward and backward lowerings for `platform` ("cpu" or "cuda").
+
+  `one_head_dim`: lower a call whose value head dim differs from the query/key one as a call of
+  one head dim (call_with_one_head_dim); None, the default, does so for "cuda" only, whose
+  kernels need it (the CPU kernels take both head dims). The tests set it for "cpu" to run that
+  path on the CPU kernels."""
   if platform == "cuda":
     forward_rule = _cuda_lowering("jaxflash_fwd", FORWARD_INPUTS, FORWARD_RESULTS)
     backward_rule = _cuda_lowering("jaxflash_bwd", BACKWARD_INPUTS, BACKWARD_RESULTS)
   else:
     forward_rule, backward_rule = _lowering("jaxflash_fwd"), _lowering("jaxflash_bwd")
+  if one_head_dim is None:
+    one_head_dim = platform == "cuda"
+  if one_head_dim:
+    forward_rule = _with_one_head_dim(forward_kernel_p, FORWARD_INPUTS, FORWARD_RESULTS,
+                                      forward_rule)
+    backward_rule = _with_one_head_dim(backward_kernel_p, BACKWARD_INPUTS, BACKWARD_RESULTS,
+                                       backward_rule)
   mlir.register_lowering(forward_kernel_p, forward_rule, platform=platform)
   mlir.register_lowering(backward_kernel_p, backward_rule, platform=platform)
 

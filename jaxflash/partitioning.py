@@ -417,8 +417,9 @@ def _ring_forward(ring: ring_lib.Ring, q, k, v, *optional):
 
 
 def _ring_backward(ring: ring_lib.Ring, q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                   kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre):
-  del bias, mask, alibi_slopes  # absent: ring_lib.unsupported
+                   kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre,
+                   dalibi_centre):
+  del bias, mask, alibi_slopes, dalibi_centre  # absent: ring_lib.unsupported
   optional = _ring_operands(ring, dict(q_lens=q_lens, kv_lens=kv_lens, seed=seed,
                                        q_segment_ids=q_segment_ids,
                                        kv_segment_ids=kv_segment_ids))
@@ -453,10 +454,10 @@ def _forward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segme
 
 
 def _backward(q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids,
-              alibi_slopes, scale, lse, delta, d_o, dscale_centre, config):
+              alibi_slopes, scale, lse, delta, d_o, dscale_centre, dalibi_centre, config):
   *grads, _workspace = kernels.backward_kernel_p.bind(
       q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes,
-      scale, lse, delta, d_o, dscale_centre, config=config)
+      scale, lse, delta, d_o, dscale_centre, dalibi_centre, config=config)
   return tuple(grads)
 
 

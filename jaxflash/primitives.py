@@ -3,7 +3,8 @@
 ``jaxflash_fwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
                    kv_segment_ids, alibi_slopes, scale) -> (o, lse)
 ``jaxflash_bwd``: (q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids,
-                  kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre)
+                  kv_segment_ids, alibi_slopes, scale, lse, delta, d_o, dscale_centre,
+                  dalibi_centre)
                   -> (dq, dk, dv, dbias, dalibi, dscale)
 
 lse is the kernels' base-2 logsumexp (jaxflash/kernels.py). They describe the

@@ -558,6 +558,7 @@ def backward(q, k, v, lse, delta, d_o, ring: Ring, scale=None, centre=None,
                     q_rows(lse, "lse"), q_rows(delta, "delta"), q_rows(d_o, "d_o"),
                     (absent("dscale_centre", jnp.float32) if centre is None else
                      q_rows(centre, "dscale_centre")),
+                    absent("dalibi_centre", jnp.float32),  # no slopes (unsupported)
                     config=ring.task_config(call)))
             f32 = lambda x: x.astype(jnp.float32)
             key_parts = dict(dk=dk_call, dv=dv_call, dscale=dscale_call)

@@ -39,12 +39,13 @@ import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, units, data = rows[0], rows[1], rows[2:]
 col = {h: i for i, h in enumerate(head)}
+num = lambda x: float(x.replace(",", ""))  # ncu writes thousands separators
 print(f"{'kernel':48s} {'us':>8s} {'DRAM rd MB':>10s} {'wr MB':>8s} {'SM active':>9s}")
 for r in data:
-  dur = float(r[col["gpu__time_duration.sum"]]) * {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3}[
+  dur = num(r[col["gpu__time_duration.sum"]]) * {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1, "us": 1, "msecond": 1e3, "ms": 1e3}[
       units[col["gpu__time_duration.sum"]]]
-  mb = lambda m: float(r[col[m]]) / {"byte": 1e6, "Kbyte": 1e3, "Mbyte": 1, "Gbyte": 1e-3}[units[col[m]]]
-  act = float(r[col["sm__cycles_active.avg"]]) / max(float(r[col["sm__cycles_elapsed.max"]]), 1)
+  mb = lambda m: num(r[col[m]]) / {"byte": 1e6, "B": 1e6, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1, "MB": 1, "Gbyte": 1e-3, "GB": 1e-3}[units[col[m]]]
+  act = num(r[col["sm__cycles_active.avg"]]) / max(num(r[col["sm__cycles_elapsed.max"]]), 1)
   print(f"{r[col['Kernel Name']][:48]:48s} {dur:8.1f} {mb('dram__bytes_read.sum'):10.1f} "
         f"{mb('dram__bytes_write.sum'):8.1f} {act:9.2f}")
 PY

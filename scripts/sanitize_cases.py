@@ -27,6 +27,11 @@ CASES = (
     # general kernels with the dbias pass (float32, bias).
     ("bfloat16", (2, 150, 4, 64), (2, 150, 2, 64), dict(is_causal=True, dropout=True)),
     ("float32", (1, 70, 2, 40), (1, 90, 2, 40), dict(bias=(1, 2, 70, 90), dropout=True)),
+    # ALiBi's slopes differentiated: the mma.sync general kernel's dalibi (its shared-memory
+    # slots, a barrier per instance, zeros for the instances a key tile's queries do not see),
+    # the soft-cap copy's too.
+    ("bfloat16", (3, 90, 4, 64), (3, 130, 2, 64), dict(is_causal=True, alibi=True, lengths=True)),
+    ("float16", (1, 77, 2, 128), (1, 77, 1, 128), dict(alibi=True, logits_soft_cap=2.0)),
 )
 
 
@@ -41,17 +46,19 @@ def run(dtype, q_shape, kv_shape, extra):
   mask = None if mask_shape is None else jax.random.bernoulli(keys[4], 0.8, mask_shape)
   if extra.pop("dropout", False):
     extra.update(dropout_rate=0.2, dropout_rng=keys[5])
+  slopes = (jnp.linspace(0.05, 0.5, q_shape[2], dtype=jnp.float32)
+            if extra.pop("alibi", False) else None)
   if extra.pop("lengths", False):
     B, T, S = q_shape[0], q_shape[1], kv_shape[1]
     extra["query_seq_lengths"] = jnp.array([T, T // 2, 0][:B], jnp.int32)
     extra["key_value_seq_lengths"] = jnp.array([S // 2, 0, S][:B], jnp.int32)
 
-  def loss(q, k, v, bias):
-    out = jaxflash.attention(q, k, v, bias, mask, **extra)
+  def loss(q, k, v, bias, slopes):
+    out = jaxflash.attention(q, k, v, bias, mask, alibi_slopes=slopes, **extra)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-  grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias)
+  argnums = (0, 1, 2) + ((3,) if bias is not None else ()) + ((4,) if slopes is not None else ())
+  grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias, slopes)
   jax.block_until_ready(grads)
 
 

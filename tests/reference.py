@@ -717,3 +717,30 @@ def transpose_or_copy_lines(hlo_text: str) -> list[str]:
 
 def compiled_hlo(fn, *args) -> str:
   return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@contextlib.contextmanager
+def one_head_dim_on_cpu():
+  """Inside it the CPU kernels are lowered as the CUDA ones are: a call whose value head dim Hv
+  differs from the query/key one H runs as a call of one head dim max(H, Hv), zero-padded
+  around the kernel (jaxflash.kernels.call_with_one_head_dim); outside it the CPU kernels take
+  both head dims natively. JAX's caches are cleared on the way in and out, so that nothing
+  compiled one way runs the other. Yields a list that collects (kernel primitive name,
+  seq_dims) for each call lowered through the padding."""
+  kernels = jaxflash.kernels
+  padded_calls = []
+  pad = kernels.call_with_one_head_dim
+
+  def recording(bind, *args, config, **kwargs):
+    padded_calls.append((bind.__self__.name, config.seq_dims))
+    return pad(bind, *args, config=config, **kwargs)
+
+  jax.clear_caches()
+  kernels.call_with_one_head_dim = recording
+  kernels.register_lowerings("cpu", one_head_dim=True)
+  try:
+    yield padded_calls
+  finally:
+    kernels.register_lowerings("cpu")
+    kernels.call_with_one_head_dim = pad
+    jax.clear_caches()

@@ -95,15 +95,6 @@ class Case:
       q_rows, kv_rows = (T,), (S,)
     return q_rows + (H,), kv_rows + (H,), kv_rows + (Hv,), q_rows + (Hv,)
 
-  def cuda_refusal(self) -> str | None:
-    """The pattern of the NotImplementedError that lowering the case for a GPU raises, naming
-    what the CUDA kernels do not have yet; None where they run it."""
-    if self.value_head_dim not in (None, self.head_dim):
-      return r"value head dim.*CPU kernels only"
-    if self.alibi is not None:  # ALiBi runs; the slopes' gradient (all cases take it) is refused
-      return r"gradient of alibi_slopes"
-    return None
-
   def broadcast_shape(self, spec):
     sizes = self.axis_sizes()
     return tuple(1 if axis == "1" else sizes[axis] for axis in spec)
@@ -445,7 +436,9 @@ def _dropout_kernel_cases():
 # A value head dim Hv other than the query/key one H (jax.nn refuses it; the reference is its
 # restated XLA path in float32): MLA's (192, 128), Hv above and below H, odd sizes, the largest
 # Hv with a small H; with the features whose code paths read v, o or dO (GQA/MQA, lengths and
-# masks that zero rows, dropout on P·V, every layout).
+# masks that zero rows, dropout on P·V, every layout). The CPU kernels take both head dims; on
+# CUDA the lowering zero-pads the smaller one to the larger (kernels.call_with_one_head_dim),
+# which test_one_head_dim_call_equals_the_native_call also runs around the CPU kernels.
 VALUE_HEAD_DIMS = ((192, 128), (128, 64), (64, 128), (59, 37), (16, 256))
 VALUE_HEAD_DIM_FEATURES = {
     "plain": {},
@@ -496,6 +489,9 @@ LARGE_FEATURES = {
     "dropout_causal_gqa": dict(dropout_rate=0.1, is_causal=True, num_heads=4, num_kv_heads=2),
     "traced_scale_causal_bias": dict(traced_scale="float32", scale=0.2, is_causal=True,
                                      bias="1NTS"),
+    # A value head dim of 48 against the rotating H: above and below it (zero-padded on CUDA to
+    # one head dim, kernels.call_with_one_head_dim), at the long lengths.
+    "value_head_dim_48_causal": dict(value_head_dim=48, is_causal=True),
 }
 
 
@@ -535,19 +531,8 @@ def check_against_reference(case: Case, backend: str, device):
   # Inputs, reference and baseline are made on the CPU; only ours runs on `backend`.
   inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
   static = case.static_kwargs()
-  ours_fn, ours_inputs = jaxflash.attention, inputs
-  if backend == "cuda" and case.cuda_refusal() is not None:
-    # Not in the CUDA kernels yet: refused, by name, rather than ignored.
-    with pytest.raises(NotImplementedError, match=case.cuda_refusal()):
-      reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
-    if case.alibi is None or case.value_head_dim not in (None, case.head_dim):
-      return
-    # ALiBi runs on CUDA, its slopes' gradient is what was refused: the case then runs with
-    # the slopes fixed (no dslopes).
-    ours_fn = functools.partial(jaxflash.attention, alibi_slopes=inputs["alibi_slopes"])
-    ours_inputs = {**inputs, "alibi_slopes": None}
 
-  ours, ours_grads = reference.forward_and_grads(ours_fn, ours_inputs, cotangent, **static)
+  ours, ours_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent, **static)
   (ref, ref_grads), (base, base_grads) = reference.reference_and_baseline(
       inputs, cotangent, backend=backend, **static)
 
@@ -575,8 +560,6 @@ def check_against_reference(case: Case, backend: str, device):
         f"lse: {ours_lse.shape} {ours_lse.dtype}, expected {query.shape[:-1]} {query.dtype}")
     assert_close(ours_lse, ref_lse, base_lse, tolerance, "lse", floor=floor)
   for name in (n for n in ref_grads if n != "dscale"):
-    if name == "dslopes" and name not in ours_grads:
-      continue  # not asked for (CUDA, above)
     # A slope's gradient sums dS·|s - t - offset| over the head's entries: its terms are
     # distances times unit-scale dS, so it can cancel (to exactly 0 in the reference with one
     # key) from terms as large as the longest distance.
@@ -599,6 +582,36 @@ def check_against_reference(case: Case, backend: str, device):
     # elements (Σ q∘dq, the formula it replaced, whose bar it met on the CPU).
     assert_close(ours_grads["dscale"], ref_grads["dscale"], base_grads["dscale"], tolerance,
                  "dscale", floor=floor, summed_terms=query.size)
+
+
+@pytest.mark.parametrize("case", _value_head_dim_cases())
+def test_one_head_dim_call_equals_the_native_call(case: Case):
+  """The CUDA lowering's way with a value head dim Hv other than the query/key one H (zero
+  padding to one head dim max(H, Hv) around the kernel, slices after it:
+  kernels.call_with_one_head_dim) run around the CPU kernels, on the CPU in every build: its
+  outputs and gradients (dslopes, dscale and the lse included) equal the CPU kernels' native
+  Hv ≠ H call to one rounding, and both the forward and the backward went through the
+  padding. (test_transforms checks the CUDA lowering's layouts, with vmap.)"""
+  device = jax.devices("cpu")[0]
+  inputs, cotangent = reference.made_on_cpu(device, lambda: make_inputs(case, jax.random.key(0)))
+  static = case.static_kwargs()
+  with jax.default_device(device):
+    native, native_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent,
+                                                       **static)
+    with reference.one_head_dim_on_cpu() as padded_calls:
+      padded, padded_grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent,
+                                                         **static)
+  T, S, H, Hv = case.q_len, case.kv_len, case.head_dim, case.value_head_dim
+  assert {name for name, _ in padded_calls} == {"jaxflash_fwd_kernel", "jaxflash_bwd_kernel"}
+  assert {dims for _, dims in padded_calls} == {(T, S, H, Hv)}, padded_calls
+  for i, (ours, want) in enumerate(zip(jax.tree.leaves(padded), jax.tree.leaves(native))):
+    assert ours.shape == want.shape and ours.dtype == want.dtype, (i, ours.shape, want.shape)
+    reference.assert_same_kernel(ours, want, case.dtype, f"output {i}")
+  assert padded_grads.keys() == native_grads.keys()
+  for name, want in native_grads.items():
+    ours = padded_grads[name]
+    assert ours.shape == want.shape and ours.dtype == want.dtype, (name, ours.shape, want.shape)
+    reference.assert_same_kernel(ours, want, case.dtype, name)
 
 
 REFERENCE_SELF_CHECK = ("causal", "window_5_0", "window_0_7", "q_and_kv_lengths", "mask_1N1S",
@@ -789,3 +802,97 @@ def test_dscale_centre_takes_out_the_delta_residue(monkeypatch, return_residual,
     assert abs(centred - exact) <= 1e-4 * max(1.0, abs(exact)) + 1e-3, (centred, exact)
   else:
     assert abs(centred - exact) <= 0.5 * abs(uncentred - exact), (centred, uncentred, exact)
+
+
+def test_dalibi_centre_forward_only_when_differentiated(backend):
+  """The rows' centres of the ALiBi slopes' gradient (jaxflash/attention.py, _mean_keys) cost one
+  more forward call, attention(q, k, v = key positions) in float32 without dropout, only when the
+  slopes are differentiated (with a soft-cap too). The backward then carries HAS_DALIBI."""
+  q = jnp.ones((1, 8, 2, 16), jnp.float32)
+  slopes = jnp.array([0.5, 0.25], jnp.float32)
+  rng = jax.random.key(0)
+
+  def flags(argnums, **kwargs):  # of every jaxflash call in the lowered gradient
+    f = lambda q, s: jnp.sum(jaxflash.attention(q, q, q, alibi_slopes=s, **kwargs))
+    text = jax.jit(jax.grad(f, argnums=argnums)).lower(q, slopes).as_text()
+    return [int(f) for f in re.findall(r"flags = (\d+)", text)]
+
+  found = flags(0)  # q only: no dalibi, no centre
+  assert len(found) == 2 and not any(f & Flag.HAS_DALIBI for f in found), found
+  for kwargs in (dict(dropout_rate=0.2, dropout_rng=rng), dict(logits_soft_cap=2.0)):
+    found = flags((0, 1), **kwargs)
+    assert len(found) == 3, (kwargs, found)
+    assert sum(bool(f & Flag.HAS_DALIBI) for f in found) == 1, (kwargs, found)
+    forwards = [f for f in found if not f & Flag.HAS_DALIBI]  # the training one's and the centre's
+    assert all(f & Flag.OUTPUT_F32 and f & Flag.HAS_ALIBI for f in forwards), (kwargs, found)
+    assert sum(bool(f & Flag.DROPOUT) for f in forwards) == ("dropout_rate" in kwargs), (kwargs, found)
+
+
+# Masks under which every visible key of a row lies on one side of its diagonal, where the kernels'
+# centre |E[s] - t - offset| is the row's P-mean distance exactly; T > S, so that the rows past the
+# keys (top-left) are far from them, and lengths with the bottom-right diagonal (the offset moves
+# per batch item).
+DALIBI_CENTRE_CASES = {
+    "causal": dict(is_causal=True),
+    "left_window": dict(local_window_size=(12, 0)),
+    "bottom_right_causal_lengths": dict(is_causal=True, mask_alignment="bottom_right",
+                                        query_seq_lengths=np.array([53, 30, 0], np.int32),
+                                        key_value_seq_lengths=np.array([37, 20, 37], np.int32)),
+}
+
+
+@pytest.mark.parametrize("return_residual", (False, True), ids=("out", "out_and_lse"))
+@pytest.mark.parametrize("name", list(DALIBI_CENTRE_CASES))
+def test_dalibi_centre_takes_out_the_delta_residue(monkeypatch, name, return_residual, backend):
+  """The mechanism of the slopes' centre, on any backend: a residue δ added to each row's Δ (what
+  the forward's rounding of P leaves there on CUDA, made large here) moves the uncentred slopes'
+  gradient by δ·Σ_t (the row's P-mean distance to the diagonal), the centred one only by δ times
+  the centre's own error, which these one-sided masks make a rounding. Unperturbed, the centre
+  changes nothing (against a float32 XLA reference); with a differentiated lse (each row of dS then
+  sums to its cotangent) that needs the centre's share Σ C·dlse added back, with the kernels' C
+  (t + offset, the lengths' bottom-right offset included). GQA, so that each query head's rows of
+  dalibi are its own."""
+  attention_lib = sys.modules["jaxflash.attention"]  # (jaxflash.attention is the function)
+  keys = jax.random.split(jax.random.key(5), 5)
+  B, T, S, N, K, H = 3, 53, 37, 4, 2, 32
+  inputs = dict(query=jax.random.normal(keys[0], (B, T, N, H), jnp.float32),
+                key=jax.random.normal(keys[1], (B, S, K, H), jnp.float32),
+                value=jax.random.normal(keys[2], (B, S, K, H), jnp.float32),
+                bias=None, mask=None,
+                alibi_slopes=jnp.array([0.3, 0.1, 0.03, 0.01], jnp.float32))
+  static = dict(DALIBI_CENTRE_CASES[name])
+  for slot in ("query_seq_lengths", "key_value_seq_lengths"):
+    inputs[slot] = jnp.asarray(static.pop(slot)) if slot in static else None
+  ct = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
+  ct_lse = jax.random.normal(keys[4], (B, T, N), jnp.float32)
+  cotangent = (ct, ct_lse) if return_residual else ct
+  static["return_residual"] = return_residual
+
+  def dslopes():  # precision="highest": float32-exact products on CUDA too (3xTF32)
+    _, grads = reference.forward_and_grads(jaxflash.attention, inputs, cotangent,
+                                           precision="highest", **static)
+    return np.asarray(grads["dslopes"], np.float64)
+
+  _, ref_grads = reference.forward_and_grads(reference.reference_attention, inputs, cotangent,
+                                             **static)
+  expected = np.asarray(ref_grads["dslopes"], np.float64)
+  exact = dslopes()
+  scale = max(1.0, float(np.max(np.abs(expected))))
+  assert np.max(np.abs(exact - expected)) <= 1e-4 * scale, (exact, expected)
+  delta = attention_lib._delta
+  monkeypatch.setattr(attention_lib, "_delta", lambda *a: delta(*a) + 0.05)
+  centred = dslopes()
+  mean_keys = attention_lib._mean_keys
+
+  def uncentred_keys(q, k, optional, config):  # E = t + offset: the kernels' centre is then 0
+    _, sees_key = mean_keys(q, k, optional, config)
+    rows = attention_lib.drop_col(config.layout("o"))
+    diagonal = attention_lib._diagonal_keys(config, optional, rows)
+    return jnp.broadcast_to(diagonal, sees_key.shape), sees_key
+
+  monkeypatch.setattr(attention_lib, "_mean_keys", uncentred_keys)
+  uncentred = dslopes()
+  # δ = 0.05 on each of the B·T·N rows, whose mean distances reach tens of positions: the
+  # uncentred sum moves by far more than 1.
+  assert np.max(np.abs(uncentred - exact)) > 1.0, (uncentred, exact)
+  assert np.max(np.abs(centred - exact)) <= 1e-4 * scale + 1e-3, (centred, exact)

@@ -5,6 +5,7 @@ plots and --json results come out and agree, and the benchmark writes its table.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import jax
@@ -189,7 +190,14 @@ def test_bench_writes_protocol_table(tmp_path):
   text = path.read_text()
   rows = [line for line in text.splitlines() if line.startswith("| bfloat16")]
   assert len(rows) == 2 * 2 * 2  # seqlens x causal x direction
-  assert "jaxflash: 512" in text  # O(N) memory: the short search reaches its limit
+  assert re.search(r"jaxflash: 512 in [0-9.]+ s", text)  # O(N) memory: the search reaches its limit
+
+
+def test_bench_longest_ratio_needs_a_common_length():
+  assert bench.longest_ratio({"jaxflash": (512, 3.0), "cudnn": (512, 2.0)}) == \
+      "jaxflash / cudnn time at 512: 1.50"
+  assert bench.longest_ratio({"jaxflash": (512, 3.0), "cudnn": (256, 2.0)}) is None
+  assert bench.longest_ratio({"jaxflash": (512, 3.0), "xla": (None, None)}) is None
 
 
 def test_bench_times_calls_issued_back_to_back(monkeypatch):

@@ -100,7 +100,8 @@ def test_placed_kernel_mask_is_a_block_of_dropout_mask(dtype, broadcast, backend
     o32, lse, _ = kernels.forward_kernel_p.bind(q, k, eye, *optional, config=forward_config)
     _, _, dv, *_ = kernels.backward_kernel_p.bind(
         q, k, eye, *optional, lse, _delta(eye, o32, config), eye,
-        absent("dscale_centre", jnp.float32), config=config.with_layouts(_gradient_layouts(config)))
+        absent("dscale_centre", jnp.float32), absent("dalibi_centre", jnp.float32),
+        config=config.with_layouts(_gradient_layouts(config)))
     return o32, dv
 
   o32, dv = placed(q, k, eye, call.seed)

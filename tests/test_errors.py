@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.interpreters import mlir
 
 import jaxflash
 from jaxflash import kernels, validation
@@ -212,32 +213,44 @@ def test_non_finite_alibi_slopes_raise(bad, backend):
     jaxflash.attention(**_valid(), alibi_slopes=slopes)
 
 
-# What the CUDA kernels do not have yet: (overrides of the valid call, extra flags, the
-# refusal's pattern). They run ALiBi, but not its slopes' gradient (HAS_DALIBI, a backward's).
-CPU_ONLY_CASES = {
-    "alibi_slopes_gradient": (dict(alibi_slopes=np.ones((N,), np.float32)), Flag.HAS_DALIBI,
-                              r"gradient of alibi_slopes"),
-    "value_head_dim": (dict(value=_array((B, S, K, 2 * H))), Flag(0),
-                       rf"value head dim \(value.shape\[-1\] = {2 * H}\) other than the query/key "
-                       rf"head dim \({H}\) runs on the CPU kernels only"),
-}
+def test_alibi_and_its_gradient_lower_for_cuda():
+  """ALiBi lowers for a GPU, the forward and a backward that differentiates the slopes
+  (HAS_DALIBI) alike: the CUDA kernels compute their gradient too."""
+  config = validation.validate(**_valid(), alibi_slopes=np.ones((N,), np.float32)).config
+  kernels._check_cuda_call(config)
+  kernels._check_cuda_call(config.replace(flags=config.flags | Flag.HAS_DALIBI))
 
 
-@pytest.mark.parametrize("name", list(CPU_ONLY_CASES))
-def test_cpu_only_features_on_cuda_are_refused_naming_the_argument(name):
-  """Lowering a call for a GPU with what the CUDA kernels do not have yet raises, naming the
-  argument, never a kernel that ignores it (checked on the config, so it runs in every build;
-  test_attention checks the lowering itself on a GPU)."""
-  overrides, flags, pattern = CPU_ONLY_CASES[name]
-  config = validation.validate(**dict(_valid(), **overrides)).config
-  with pytest.raises(NotImplementedError, match=pattern):
-    kernels._check_cuda_call(config.replace(flags=config.flags | flags))
+@pytest.fixture
+def cuda_lowering_rules():
+  """The CUDA lowering rules registered as a CUDA build registers them, also in a CPU-only
+  build (which lowers for the CPU only: its CUDA rule says so), for one test."""
+  if "cuda" in kernels.PLATFORMS:
+    yield
+    return
+  kernels.register_lowerings("cuda")
+  try:
+    yield
+  finally:
+    for primitive in (kernels.forward_kernel_p, kernels.backward_kernel_p):
+      mlir.register_lowering(primitive, kernels._not_built("cuda"), platform="cuda")
 
 
-def test_alibi_without_its_gradient_lowers_for_cuda():
-  """The forward and a backward that does not differentiate the slopes lower for a GPU."""
-  kernels._check_cuda_call(
-      validation.validate(**_valid(), alibi_slopes=np.ones((N,), np.float32)).config)
+@pytest.mark.parametrize("value_head_dim", [H // 2, 2 * H])
+def test_value_head_dim_lowers_for_cuda(value_head_dim, cuda_lowering_rules):
+  """A value head dim other than the query/key one, below or above it, is no refusal on CUDA
+  (the lowering zero-pads to one head dim: kernels.call_with_one_head_dim), with the slopes'
+  gradient too. Lowering only, so it runs in every build."""
+  value = _array((B, S, K, value_head_dim))
+  kernels._check_cuda_call(validation.validate(**dict(_valid(), value=value)).config)
+  q, k = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (_valid()["query"], _valid()["key"]))
+  v = jax.ShapeDtypeStruct(value.shape, jnp.float32)
+  slopes = jax.ShapeDtypeStruct((N,), jnp.float32)
+  loss = lambda q, k, v, s: jnp.sum(jaxflash.attention(q, k, v, alibi_slopes=s))
+  lower = lambda argnums: jax.jit(jax.grad(loss, argnums)).trace(q, k, v, slopes).lower(
+      lowering_platforms=("cuda",))
+  lower((0, 1, 2))
+  lower((0, 1, 2, 3))
 
 
 def test_largest_window_equals_no_window(backend):

@@ -527,9 +527,6 @@ def test_flax_attention_takes_a_value_head_dim(masking, backend, device):
   """A value head dim (24) other than the query/key one (16) is jaxflash.attention's whichever
   kernel call the mask's classification picks, the output shaped with it, also with two batch
   axes."""
-  if backend == "cuda":
-    pytest.skip("the CUDA kernels take no value head dim other than the query's yet "
-                "(test_attention checks the refusal)")
   q, k, v = _adapter_inputs(8, device, value_head_dim=24)
   mask = MASKINGS[masking](nnx)
   dense = None if mask is None else mask.astype(jnp.bool_)

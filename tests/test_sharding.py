@@ -72,7 +72,7 @@ class ShardCase:
   S: int = 64
   N: int = 4
   K: int = 2
-  Hv: int = H  # the value head dim (another than H: CPU kernels only so far)
+  Hv: int = H  # the value head dim (another than H: on CUDA zero-padded to one head dim)
   bias: tuple | None = None
   mask: tuple | None = None
   lengths: bool = False
@@ -378,11 +378,6 @@ def _all_gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_equals_single_device(name, dtype, backend, device):
   case = CASES[name]
-  if backend == "cuda" and (case.alibi or case.Hv != H):
-    # The ALiBi cases differentiate the slopes too (test_transforms runs ALiBi on CUDA with fixed
-    # slopes under vmap, test_attention every ALiBi case).
-    pytest.skip("the CUDA kernels have no gradient of alibi_slopes and take no value head dim "
-                "other than the query's yet (test_attention checks the refusals)")
   mesh = case_mesh(backend, case)
   inputs, cotangent = _inputs(case, jnp.dtype(dtype), device)
   static = case.static()
@@ -430,6 +425,29 @@ def test_sharded_equals_single_device(name, dtype, backend, device):
   ring_axes = (ring_axes,) if isinstance(ring_axes, str) else ring_axes or ()
   if np.prod([mesh.shape[a] for a in ring_axes]) > 1:  # (a ring of one device has no permutes)
     assert "collective-permute" in hlo, "ring attention without collective permutes"
+
+
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.Hv != H])
+def test_sharded_one_head_dim_call_equals_the_native_call(name):
+  """The CUDA lowering's zero padding to one head dim (kernels.call_with_one_head_dim) run
+  around the CPU kernels of each device's shard, ring attention's blocks inside shard_map
+  included: the sharded call and its gradients equal the CPU kernels' native Hv ≠ H call to
+  one rounding. On the CPU in every build."""
+  case = CASES[name]
+  device = jax.devices("cpu")[0]
+  mesh = case_mesh("cpu", case)
+  inputs, cotangent = _inputs(case, jnp.dtype("float32"), device)
+  sharded_inputs, sharded_cotangent = _shard(inputs, cotangent, case, mesh)
+  attention, static = _attention_fn(case, mesh), case.static()
+  run = lambda: reference.forward_and_grads(attention, sharded_inputs, sharded_cotangent, **static)
+  native, native_grads = run()
+  with reference.one_head_dim_on_cpu() as padded_calls:
+    padded, padded_grads = run()
+  assert {kernel for kernel, _ in padded_calls} == {"jaxflash_fwd_kernel", "jaxflash_bwd_kernel"}
+  assert_same_kernel(padded, native, "float32", "out")
+  assert padded_grads.keys() == native_grads.keys()
+  for g in native_grads:
+    assert_same_kernel(padded_grads[g], native_grads[g], "float32", g)
 
 
 def _assert_ring_close(ours, expected, baseline, tolerance, what: str = ""):
@@ -753,7 +771,7 @@ def test_diagonal_offset_places_blocks_in_one_sequence(q_start, k_start, window,
     delta = _delta(d_o, o32, config)
     dq, dk, dv, *_ = kernels.backward_kernel_p.bind(
         q, k, v, *absent_operands(q.dtype), lse, delta, d_o, absent("dscale_centre", q.dtype),
-        config=config.with_layouts(_gradient_layouts(config)))
+        absent("dalibi_centre", q.dtype), config=config.with_layouts(_gradient_layouts(config)))
     return o32.astype(q.dtype), dict(dq=dq, dk=dk, dv=dv)
 
   ours, ours_grads = placed(inputs["query"], inputs["key"], inputs["value"], cotangent)

@@ -28,7 +28,8 @@ from jaxflash.layout import COL, ROW, col_minor_order, strides_of
 from reference import assert_bitwise_equal, assert_same_kernel
 
 T, S, H = 40, 72, 32  # small, ragged (not multiples of a tile) and T != S
-HV = 20  # a value head dim other than H (CPU kernels only so far), not a multiple of 16
+HV = 20  # a value head dim below H, not a multiple of 16
+HV_WIDE = 48  # a value head dim above H
 B, N, E = 2, 4, 3  # batch, heads, an extra leading axis
 
 
@@ -218,7 +219,10 @@ VMAP_CASES = {
         dict(query=(T, H), key=(S, H), value=(S, H), scale=(E,)),
         layers=(((None, None, None, 0), 0),), static=dict(return_residual=True)),
     # A value head dim HV != H: o, dO and dv have HV features, and the vmapped axis lands in
-    # front of, or (value: heads after its feature axis) behind, the HV axis.
+    # front of, or (value: heads after its feature axis) behind, the HV axis. On CUDA the
+    # narrower operands are zero-padded to one head dim around the kernel, along their feature
+    # axis wherever it lies (kernels.call_with_one_head_dim): v and dO below H; q and k above
+    # it, as in the last case (key: heads after its feature axis).
     "heads_value_head_dim": VmapCase(
         dict(query=(T, N, H), key=(S, N, H), value=(S, N, HV)), layers=((1, 1),),
         static=dict(is_causal=True, return_residual=True)),
@@ -226,6 +230,9 @@ VMAP_CASES = {
                                           layers=(((0, 1, 2), 0),)),
     "kv_unbatched_mqa_value_head_dim": VmapCase(dict(query=(T, N, H), key=(S, H), value=(S, HV)),
                                                 layers=(((1, None, None), 1),)),
+    "mixed_axes_wide_value_head_dim": VmapCase(
+        dict(query=(N, T, H), key=(S, H, N), value=(S, N, HV_WIDE)), layers=(((0, 2, 1), 0),),
+        static=dict(is_causal=True)),
 }
 
 # Configurations in which every operand is batched, so vmap-of-grad can map the gradients back
@@ -233,7 +240,8 @@ VMAP_CASES = {
 FULLY_BATCHED = ("heads_axis1", "heads_then_batch", "batch_then_heads_axis2", "heads_axis0_BNTH",
                  "mixed_axes", "extra_leading_axis_4d", "heads_causal_window_residual",
                  "extra_leading_axis_4d_segment_ids", "heads_alibi", "extra_leading_axis_4d_alibi",
-                 "heads_per_head_traced_scale", "heads_value_head_dim", "mixed_axes_value_head_dim")
+                 "heads_per_head_traced_scale", "heads_value_head_dim", "mixed_axes_value_head_dim",
+                 "mixed_axes_wide_value_head_dim")
 # Forward-only configurations whose compiled HLO must be a single kernel without layout copies.
 HLO_FORWARD = ("heads_axis1", "heads_axis_minus2", "heads_then_batch", "batch_then_heads_axis2",
                "heads_axis0_BNTH", "mixed_axes", "kv_unbatched_mqa",
@@ -244,31 +252,21 @@ HLO_FORWARD = ("heads_axis1", "heads_axis_minus2", "heads_then_batch", "batch_th
                "kv_unbatched_mqa_value_head_dim")
 HLO_GRAD = ("heads_axis1", "heads_then_batch", "kv_unbatched_mqa", "shared_bias_and_mask",
             "only_bias_batched", "extra_leading_axis_4d", "extra_leading_axis_4d_segment_ids",
-            "extra_leading_axis_4d_alibi", "only_alibi_batched", "heads_shared_traced_scale",
+            "extra_leading_axis_4d_alibi", "only_alibi_batched", "heads_alibi",
+            "heads_shared_traced_scale",
             "only_traced_scale_batched", "heads_value_head_dim", "kv_unbatched_mqa_value_head_dim")
 # Configurations with an operand whose feature axis is not minor-most (value vmapped on an axis
 # after its head dim). The CUDA kernels need a unit feature stride, so the CUDA lowering asks
 # XLA for a layout with that axis minor-most: a transpose of that operand, on CUDA only.
 COL_NOT_MINOR = ("mixed_axes",)
+# A value head dim other than the query/key one: on CUDA, zero padding to one head dim around
+# the kernel and slices after it (kernels.call_with_one_head_dim), copies by design.
+ONE_HEAD_DIM = ("heads_value_head_dim", "mixed_axes_value_head_dim",
+                "kv_unbatched_mqa_value_head_dim", "mixed_axes_wide_value_head_dim")
 
 VMAP_DTYPES = ("float32", "bfloat16")
 
 
-def differentiated(case: VmapCase, backend: str) -> tuple[int, ...]:
-  """The operands whose gradients a test takes: all of the case's differentiable ones, except
-  ALiBi's slopes on CUDA, whose kernels run ALiBi but not its slopes' gradient (test_attention
-  checks that refusal)."""
-  if backend != "cuda":
-    return case.differentiable
-  names = tuple(case.operands)
-  return tuple(i for i in case.differentiable if names[i] != "alibi_slopes")
-
-
-def skip_where_not_in_kernels(case: VmapCase, backend: str):
-  """A value head dim other than the query's is in the CPU kernels only so far
-  (test_attention checks the CUDA refusal)."""
-  if backend == "cuda" and HV in case.operands["value"]:  # (HV is no other size of these cases)
-    pytest.skip("the CUDA kernels take no value head dim other than the query's yet")
 
 
 def weighted_sum_loss(fn, cotangent):
@@ -319,7 +317,6 @@ def small_inputs(seed: int, dtype, *, q_shape=(B, T, N, H), kv_shape=(B, S, 2, H
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_vmap_matches_loop(name, dtype, backend):
   case = VMAP_CASES[name]
-  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(1, dtype)
   batched = jax.jit(case.build(jax.vmap))(*operands)
   looped = case.build(loop_vmap)(*operands)
@@ -341,11 +338,10 @@ def test_vmap_over_heads_equals_multi_head_call(backend):
 @pytest.mark.parametrize("name", list(VMAP_CASES))
 def test_grad_of_vmap_matches_loop(name, dtype, backend):
   case = VMAP_CASES[name]
-  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(3, dtype)
   batched_fn, looped_fn = case.build(jax.vmap), case.build(loop_vmap)
   cotangent = random_cotangent(batched_fn, operands, 4)
-  argnums = differentiated(case, backend)
+  argnums = case.differentiable
   batched = jax.jit(jax.grad(weighted_sum_loss(batched_fn, cotangent), argnums))(*operands)
   looped = jax.grad(weighted_sum_loss(looped_fn, cotangent), argnums)(*operands)
   for i, b, l in zip(argnums, batched, looped):
@@ -358,10 +354,9 @@ def test_grad_of_vmap_matches_loop(name, dtype, backend):
 @pytest.mark.parametrize("name", FULLY_BATCHED)
 def test_vmap_of_grad_matches_loop(name, dtype, backend):
   case = VMAP_CASES[name]
-  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(5, dtype)
   item_fn = attention_of(tuple(case.operands), **case.static)
-  argnums = differentiated(case, backend)
+  argnums = case.differentiable
 
   # The per-item cotangent is vmapped along with the operands, onto the output's axes.
   def item_grads(*operands_and_cotangent):
@@ -412,7 +407,7 @@ def kernel_calls(q, k, v):
                   "dq": config.layout("q"), "dk": config.layout("k"), "dv": config.layout("v")}
   dq, dk, dv, *_ = kernels.backward_kernel_p.bind(
       q, k, v, *(absent(s, q.dtype) for s in OPTIONAL), lse, lse, o, absent("dscale_centre", q.dtype),
-      config=config.with_layouts(grad_layouts))
+      absent("dalibi_centre", q.dtype), config=config.with_layouts(grad_layouts))
   return o, lse, dq, dk, dv
 
 
@@ -439,15 +434,14 @@ def test_kernel_primitives_batch_without_the_rest_of_the_package():
 @pytest.mark.parametrize("name", HLO_FORWARD)
 def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
   case = VMAP_CASES[name]
-  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(7, "bfloat16")
   hlo = reference.compiled_hlo(case.build(jax.vmap), *operands)
   targets = reference.custom_call_targets(hlo)
   assert reference.count_custom_calls(hlo, "jaxflash_fwd") == 1, (
       f"{name}: expected one jaxflash_fwd custom call, got targets {targets}\n{hlo}")
   assert reference.count_custom_calls(hlo, "jaxflash_bwd") == 0, targets
-  if backend == "cuda" and name in COL_NOT_MINOR:
-    return  # a transpose of the operand whose feature axis is not minor, by design
+  if backend == "cuda" and name in COL_NOT_MINOR + ONE_HEAD_DIM:
+    return  # a transpose of the operand whose feature axis is not minor, or padding, by design
   copies = reference.transpose_or_copy_lines(hlo)
   assert not copies, f"{name}: layout copies around the kernel:\n" + "\n".join(copies) + \
       f"\n--- full HLO ---\n{hlo}"
@@ -457,20 +451,26 @@ def test_vmap_compiles_to_one_kernel_without_copies(name, backend):
 def test_vmapped_grad_compiles_to_one_forward_and_one_backward_kernel(name, backend):
   """One call per direction, whatever the vmap nesting; a differentiated traced scale adds one
   forward, attention(q, k, v=k) for the rows' centre of its gradient (attention._dscale_centre),
-  also one call."""
+  also one call, and differentiated ALiBi slopes another, attention(q, k, v=key positions)
+  (attention._dalibi_centre)."""
   case = VMAP_CASES[name]
-  skip_where_not_in_kernels(case, backend)
   operands = case.inputs(8, "bfloat16")
   fn = case.build(jax.vmap)
   cotangent = random_cotangent(fn, operands, 9)
-  argnums = differentiated(case, backend)
+  argnums = case.differentiable
   grad_fn = jax.grad(weighted_sum_loss(fn, cotangent), argnums)
   hlo = reference.compiled_hlo(grad_fn, *operands)
   targets = reference.custom_call_targets(hlo)
   names = tuple(case.operands)
-  forwards = 1 + any(names[i] == "scale" for i in argnums)
+  # Each differentiated centre adds its forward: the traced scale's, the slopes'.
+  forwards = 1 + sum(any(names[i] == n for i in argnums) for n in ("scale", "alibi_slopes"))
   assert reference.count_custom_calls(hlo, "jaxflash_fwd") == forwards, f"{name}: {targets}\n{hlo}"
   assert reference.count_custom_calls(hlo, "jaxflash_bwd") == 1, f"{name}: {targets}\n{hlo}"
+  if "alibi_slopes" in names:
+    # The slopes' gradient stays copy-free too: dalibi (per key row of each query head) is laid out
+    # as delta's instance axes and its centre's forward takes positions shared by every instance.
+    copies = reference.transpose_or_copy_lines(hlo)
+    assert not copies, f"{name}: layout copies in the gradient:\n" + "\n".join(copies)
 
 
 def test_strides_follow_a_col_minor_physical_order():
@@ -499,12 +499,17 @@ def test_strides_follow_a_col_minor_physical_order():
   assert rows[SLOTS.index("v")].tolist() == [H, N * H, 1]
 
 
-def _cuda_custom_calls(fn, *operands):
-  """The jaxflash custom calls of fn lowered for CUDA (lowering only: no GPU needed), with the
-  CUDA lowering rules registered as a CUDA build registers them."""
+def _lowered_for_cuda(fn, *operands) -> str:
+  """fn lowered for CUDA, as StableHLO text (lowering only: no GPU needed), with the CUDA
+  lowering rules registered as a CUDA build registers them."""
   if "cuda" not in jaxflash.kernels.PLATFORMS:
     jaxflash.kernels.register_lowerings("cuda")  # a CPU-only build lowers for CPU only
-  text = jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+  return jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _cuda_custom_calls(fn, *operands):
+  """The jaxflash custom calls of fn lowered for CUDA."""
+  text = _lowered_for_cuda(fn, *operands)
   return [line for line in text.splitlines() if re.search(r"custom_call @jaxflash_(fwd|bwd)", line)]
 
 
@@ -558,6 +563,66 @@ def test_cuda_lowering_makes_the_feature_axis_minor():
   (fwd,) = _cuda_custom_calls(plain.build(jax.vmap), *plain_operands)
   row_major = lambda layout: layout == sorted(layout, reverse=True)
   assert all(map(row_major, _layouts(fwd, "operand_layouts") + _layouts(fwd, "result_layouts")))
+
+
+def test_cuda_lowering_pads_a_value_head_dim_along_the_feature_axis():
+  """A value head dim Hv other than the query/key one H lowers for CUDA as one call per
+  direction of one head dim D = max(H, Hv) (kernels.call_with_one_head_dim): the narrower
+  operands zero-padded to D along their feature axis wherever vmap put it, the wider results
+  sliced back, the scale still 1/sqrt(H), and a padded operand whose feature axis is not
+  minor-most given the layout and strides with it minor-most. Runs on any machine: it only
+  lowers."""
+  for name, D, narrow in (("mixed_axes_value_head_dim", H, ("v", "dv")),
+                          ("mixed_axes_wide_value_head_dim", HV_WIDE, ("k", "dk"))):
+    case = VMAP_CASES[name]
+    operands = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in case.operands.values()]
+    fn = case.build(jax.vmap)
+    grad_fn = jax.grad(lambda *ops: jnp.sum(fn(*ops).astype(jnp.float32)), (0, 1, 2))
+    text = _lowered_for_cuda(grad_fn, *operands)
+    calls = [line for line in text.splitlines() if "custom_call @jaxflash_" in line]
+    fwd, bwd = (next(c for c in calls if f"@jaxflash_{d}(" in c) for d in ("fwd", "bwd"))
+    assert len(calls) == 2, calls
+    for call in (fwd, bwd):
+      assert _attribute(call, "dims") == [T, S, D, D], name
+      scale = float(re.search(r", scale = ([-+.\de]+) : f32", call).group(1))
+      assert scale == pytest.approx(1 / np.sqrt(H)), (name, scale)
+    # The operand vmapped after its feature axis (v (S, HV, N) or k (S, H, N)) is padded along
+    # that axis, axis 1, and reaches the kernels in the physical order (S, N, D).
+    S_, F, N_ = case.operands[{"v": "value", "k": "key"}[narrow[0]]]
+    assert re.search(rf"stablehlo.pad .*high = \[0, {D - F}, 0\].*tensor<{S_}x{F}x{N_}xbf16>.* "
+                     rf"-> tensor<{S_}x{D}x{N_}xbf16>", text), text
+    q_k_v = {"k": 1, "v": 2}[narrow[0]]
+    assert _layouts(fwd, "operand_layouts")[q_k_v] == [1, 2, 0]
+    assert _layouts(bwd, "operand_layouts")[q_k_v] == [1, 2, 0]
+    assert _layouts(bwd, "result_layouts")[q_k_v] == [1, 2, 0]  # dk or dv
+    for call, slot in ((fwd, narrow[0]), (bwd, narrow[0]), (bwd, narrow[1])):
+      assert _slot_strides(call, slot) == [D, N * D, 1], (name, slot)
+    # Its gradient is sliced back to its own width.
+    assert re.search(rf"stablehlo.slice .*tensor<{S_}x{D}x{N_}xbf16>\) -> "
+                     rf"tensor<{S_}x{F}x{N_}xbf16>", text), text
+
+
+@pytest.mark.parametrize("name", ONE_HEAD_DIM)
+def test_one_head_dim_call_under_vmap_equals_the_native_call(name):
+  """The CUDA lowering's zero padding to one head dim (kernels.call_with_one_head_dim) run
+  around the CPU kernels, on the layouts vmap gives (a vmapped axis behind the feature axis of
+  v or of k, K/V shared by every head): the vmapped call and its gradients equal the CPU
+  kernels' native Hv ≠ H call to one rounding. On the CPU in every build."""
+  case = VMAP_CASES[name]
+  with jax.default_device(jax.devices("cpu")[0]):
+    operands = case.inputs(3, "float32")
+    fn = case.build(jax.vmap)
+    cotangent = random_cotangent(fn, operands, 4)
+    loss = weighted_sum_loss(fn, cotangent)
+    run = lambda: jax.jit(lambda *ops: (fn(*ops), jax.grad(loss, case.differentiable)(*ops)))(
+        *operands)
+    native = run()
+    with reference.one_head_dim_on_cpu() as padded_calls:
+      padded = run()
+  assert {kernel for kernel, _ in padded_calls} == {"jaxflash_fwd_kernel", "jaxflash_bwd_kernel"}
+  for i, (ours, want) in enumerate(zip(jax.tree.leaves(padded), jax.tree.leaves(native))):
+    assert ours.shape == want.shape and ours.dtype == want.dtype, (i, ours.shape, want.shape)
+    assert_same_kernel(ours, want, "float32", f"{name}: result {i}")
 
 
 # --------------------------------------------------------------------------------------------

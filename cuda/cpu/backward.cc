@@ -4,7 +4,9 @@
 //   P  = exp(logits - lse)          recomputed tile by tile from q, k and lse
 //   dV = Pᵀ·dO        dP = dO·Vᵀ    dS = P ∘ (dP - Δ),  Δ = rowsum(dO ∘ O) - dlse (an input)
 //   dK = scale·dSᵀ·Q  dQ = scale·dS·K   dbias = dS (summed over broadcast axes)
-//   dalibi[t] = -Σ_s dS·|s - t - offset|   (ALiBi: the slope's gradient, per query row)
+//   dalibi[s] = -Σ_t dS·(|s - t - offset| - C_t) (ALiBi: the slope's gradient, per key row of each
+//                                           query head; C_t = |E_t - t - offset| from the row's
+//                                           dalibi_centre E_t: params.h)
 //   dscale[s] = Σ_t dS·(∂logit/∂scale - C_t) (a traced scale's gradient, per key row: dS of the
 //                                           logits times the soft-cap's slope times q·k, less
 //                                           dS times the row's centre C, dscale_centre: params.h)
@@ -13,9 +15,10 @@
 // c = 1 / (1 - rate)) the output used P∘Z·c, so dV = c·(P∘Z)ᵀ·dO and dP is
 // Z∘(dO·Vᵀ)·c; Δ = rowsum(dO ∘ O) is unchanged, O being the dropped output.
 //
-// Pass A runs K/V tiles outer and owns dK, dV and dscale; it loops, inside one task, over
+// Pass A runs K/V tiles outer and owns dK, dV, dscale and dalibi; it loops, inside one task, over
 // the instance axes dK/dV do not vary along (the query heads of a GQA group, an
-// axis K/V are shared over). Pass B runs Q tiles outer and owns dQ, dbias and dalibi; it
+// axis K/V are shared over), and writes each of those instances' rows of dalibi (per query head,
+// per key row) after its Q tiles. Pass B runs Q tiles outer and owns dQ and dbias; it
 // loops inside one task over the axes dbias is broadcast along (and over all Q
 // tiles when the bias has a single row), so those sums need no atomics either.
 // Pass B recomputes P and dP; on a CPU that costs less than a T×S buffer.
@@ -32,15 +35,16 @@ namespace {
 // One Q tile's inputs to the gradient: q (pre-scaled by its instance's scale·log2e), dO, and per
 // row the lse in base 2 as two floats (params.h) and Δ (computed by XLA from the float32
 // output). With `raw`, also q as it is, for dscale's q·k (from the pre-scaled q it would take a
-// division by the scale, which may be 0), and each row's centre C (dscale_centre).
+// division by the scale, which may be 0), and each row's centre C (dscale_centre); with
+// `alibi`, each row's centre of dalibi (dalibi_centre).
 struct QTile {
-  std::vector<float> q, q_raw, d_o, lse_hi, lse_lo, delta, centre;
+  std::vector<float> q, q_raw, d_o, lse_hi, lse_lo, delta, centre, alibi_centre;
   int64_t rows = 0;
   int64_t ld, d_o_ld;  // padded row lengths of q (head_dim) and d_o (value_head_dim)
-  QTile(const AttentionParams& p, bool raw)
+  QTile(const AttentionParams& p, bool raw, bool alibi)
       : q(kBlockQ * round_up_vec(p.head_dim)), q_raw(raw ? q.size() : 0), d_o(kBlockQ * round_up_vec(p.value_head_dim)),
-        lse_hi(kBlockQ), lse_lo(kBlockQ), delta(kBlockQ), centre(raw ? kBlockQ : 0), ld(round_up_vec(p.head_dim)),
-        d_o_ld(round_up_vec(p.value_head_dim)) {}
+        lse_hi(kBlockQ), lse_lo(kBlockQ), delta(kBlockQ), centre(raw ? kBlockQ : 0),
+        alibi_centre(alibi ? kBlockQ : 0), ld(round_up_vec(p.head_dim)), d_o_ld(round_up_vec(p.value_head_dim)) {}
 };
 
 template <class T>
@@ -61,10 +65,16 @@ void load_q_tile(const AttentionParams& p, int64_t inst, int64_t t0, int64_t row
     tile.lse_lo[i] = lse[i * p.lse.row_stride + p.lse.col_stride];
     tile.delta[i] = delta[i * p.delta.row_stride];
   }
-  if (tile.centre.empty()) return;
-  const float* centre =
-      element<float>(p.dscale_centre, instance_offset(p, p.dscale_centre, inst) + t0 * p.dscale_centre.row_stride);
-  for (int64_t i = 0; i < rows; ++i) tile.centre[i] = centre[i * p.dscale_centre.row_stride];
+  if (!tile.centre.empty()) {
+    const float* centre =
+        element<float>(p.dscale_centre, instance_offset(p, p.dscale_centre, inst) + t0 * p.dscale_centre.row_stride);
+    for (int64_t i = 0; i < rows; ++i) tile.centre[i] = centre[i * p.dscale_centre.row_stride];
+  }
+  if (!tile.alibi_centre.empty()) {
+    const float* centre =
+        element<float>(p.dalibi_centre, instance_offset(p, p.dalibi_centre, inst) + t0 * p.dalibi_centre.row_stride);
+    for (int64_t i = 0; i < rows; ++i) tile.alibi_centre[i] = centre[i * p.dalibi_centre.row_stride];
+  }
 }
 
 // From a Q tile and a K/V tile (kt, vt transposed): s ← P (P∘Z with dropout), dp ← dS of the
@@ -108,7 +118,8 @@ void apply_cap_slope(const AttentionParams& p, int64_t rows, int64_t cols, const
     for (int64_t j = 0; j < cols; ++j) ds[i * kBlockK + j] *= cap_slope[i * kBlockK + j];
 }
 
-// Pass A: dK, dV (and dscale) for keys [s0, s0 + kBlockK) of the instances `kept` stands for.
+// Pass A: dK, dV (and dscale) for keys [s0, s0 + kBlockK) of the instances `kept` stands for, and
+// each of those instances' rows [s0, s0 + kBlockK) of dalibi.
 template <class T, class BiasT>
 JAXFLASH_CPU_TASK
 void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segments, const InstanceSplit& split,
@@ -120,7 +131,15 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
   std::vector<float> dk(kBlockK * Hp, 0.f), dv(kBlockK * Hvp, 0.f);
   std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
   std::vector<float> qk(want_dscale ? kBlockQ * kBlockK : 0), dscale(want_dscale ? kBlockK : 0, 0.f);
-  QTile tile(p, want_dscale);
+  const bool want_dalibi = p.has(kHasDalibi);
+  float dalibi[kBlockK], distance[kBlockK];
+  QTile tile(p, want_dscale, want_dalibi);
+  // The instance's rows of dalibi: -Σ_t dS·(distance - C_t) per key, every key of the tile written
+  // (0 where no query sees it), so that each element has this one writer.
+  auto store_dalibi = [&](int64_t inst) {
+    float* out = mutable_element<float>(p.dalibi, instance_offset(p, p.dalibi, inst) + s0 * p.dalibi.row_stride);
+    for (int64_t j = 0; j < cols; ++j) out[j * p.dalibi.row_stride] = -dalibi[j];
+  };
 
   const int64_t reduced_count = split.count(true);
   for (int64_t r = 0; r < reduced_count; ++r) {
@@ -128,7 +147,11 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
     const InstanceBounds bounds = instance_bounds(p, inst);
     const int64_t live_cols = std::clamp<int64_t>(bounds.kv_len - s0, 0, cols);
     const KeyRange queries = visible_queries(p, bounds, s0, s0 + live_cols);
-    if (live_cols == 0 || queries.lo >= queries.hi) continue;
+    if (want_dalibi) std::fill(dalibi, dalibi + kBlockK, 0.f);
+    if (live_cols == 0 || queries.lo >= queries.hi) {
+      if (want_dalibi) store_dalibi(inst);
+      continue;
+    }
 
     load_tile_transposed(element<T>(p.k, instance_offset(p, p.k, inst) + s0 * p.k.row_stride),
                          p.k.row_stride, p.k.col_stride, live_cols, H, kt.data(), kBlockK);
@@ -152,10 +175,20 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
             dscale[j] += dp[e] * ((capped ? cap_slope[e] * qk[e] : qk[e]) - tile.centre[i]);
           }
       }
+      if (want_dalibi) {  // dS of the logits, as dbias takes it: ALiBi is added after the cap
+        for (int64_t i = 0; i < tile.rows; ++i) {
+          alibi_distances(bounds, t0 + i, s0, live_cols, distance);
+          const float* dsi = dp.data() + i * kBlockK;
+          // The row's centre |E_t - (t + offset)| (params.h, dalibi_centre), t + offset exact.
+          const float c = std::fabs(tile.alibi_centre[i] - static_cast<float>(t0 + i + bounds.offset));
+          for (int64_t j = 0; j < live_cols; ++j) dalibi[j] += dsi[j] * (distance[j] - c);
+        }
+      }
       apply_cap_slope(p, tile.rows, live_cols, cap_slope.data(), dp.data());
       matmul_tn_acc(s.data(), kBlockK, tile.d_o.data(), Hvp, tile.rows, Hv, live_cols, dv.data(), Hvp);
       matmul_tn_acc(dp.data(), kBlockK, tile.q.data(), Hp, tile.rows, H, live_cols, dk.data(), Hp);
     }
+    if (want_dalibi) store_dalibi(inst);
   }
   // kept's own instance has index 0 on the reduced axes, where dk/dv strides are 0.
   const int64_t inst = split.compose(kept, 0);
@@ -172,7 +205,7 @@ void key_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segme
   }
 }
 
-// Pass B: dQ for the Q tiles of one task, their share of dbias, and their rows of dalibi.
+// Pass B: dQ for the Q tiles of one task and their share of dbias.
 template <class T, class BiasT>
 JAXFLASH_CPU_TASK
 void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& segments, const InstanceSplit& split,
@@ -189,16 +222,13 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
   std::vector<float> kt(H * kBlockK), vt(p.value_head_dim * kBlockK), k(kBlockK * Hp);
   std::vector<float> s(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dq(kBlockQ * Hp);
   std::vector<float> cap_slope(p.softcap > 0.f ? kBlockQ * kBlockK : 0);
-  const bool want_dalibi = p.has(kHasDalibi);
-  float dalibi[kBlockQ], distance[kBlockK];
-  QTile tile(p, false);
+  QTile tile(p, false, false);
 
   const int64_t reduced_count = split.count(true);
   for (int64_t r = 0; r < reduced_count; ++r) {
     const int64_t inst = split.compose(kept, r);
     const InstanceBounds bounds = instance_bounds(p, inst);
     const LogitsInputs<BiasT> logits_in = logits_inputs<BiasT>(p, inst);
-    float* dalibi_out = want_dalibi ? mutable_element<float>(p.dalibi, instance_offset(p, p.dalibi, inst)) : nullptr;
     const DropoutKey dropout = dropout_key(p, inst);
     const T* k_base = element<T>(p.k, instance_offset(p, p.k, inst));
     const T* v_base = element<T>(p.v, instance_offset(p, p.v, inst));
@@ -208,7 +238,6 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
       const int64_t live_rows = std::clamp<int64_t>(bounds.q_len - t0, 0, rows);
       const KeyRange keys = visible_keys(p, bounds, t0, t0 + rows);
       std::fill(dq.begin(), dq.end(), 0.f);
-      std::fill(dalibi, dalibi + kBlockQ, 0.f);
       if (live_rows > 0 && keys.lo < keys.hi) {
         load_q_tile<T>(p, inst, t0, live_rows, tile);
         for (int64_t s0 = keys.lo; s0 < keys.hi; s0 += kBlockK) {
@@ -228,15 +257,6 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
               for (int64_t j = 0; j < cols; ++j) row[dbias_one_col ? 0 : s0 + j] += dsi[j];
             }
           }
-          if (want_dalibi) {  // dS of the logits, as dbias takes it: ALiBi is added after the cap
-            for (int64_t i = 0; i < live_rows; ++i) {
-              alibi_distances(bounds, t0 + i, s0, cols, distance);
-              const float* dsi = ds.data() + i * kBlockK;
-              float sum = 0.f;
-              for (int64_t j = 0; j < cols; ++j) sum += dsi[j] * distance[j];
-              dalibi[i] -= sum;
-            }
-          }
           apply_cap_slope(p, live_rows, cols, cap_slope.data(), ds.data());
           matmul_acc(ds.data(), kBlockK, k.data(), Hp, live_rows, H, cols, dq.data(), Hp);
         }
@@ -248,8 +268,6 @@ void query_tile_gradients(const AttentionParams& p, const SegmentTileRanges& seg
       else
         store_tile(dq.data(), Hp, rows, H, p.scale, mutable_element<T>(p.dq, dq_offset), p.dq.row_stride,
                    p.dq.col_stride);
-      if (want_dalibi)
-        for (int64_t i = 0; i < rows; ++i) dalibi_out[(t0 + i) * p.dalibi.row_stride] = dalibi[i];
     }
   }
   if (!want_dbias) return;

@@ -94,6 +94,7 @@ ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                         ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
                         ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o, ffi::AnyBuffer dscale_centre,
+                        ffi::AnyBuffer dalibi_centre,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> dalibi, ffi::Result<ffi::AnyBuffer> dscale,
@@ -101,7 +102,7 @@ ffi::Error backward_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   AttentionParams p;
   if (auto e = decode_backward(
           p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, lse,
-          delta, d_o, dscale_centre, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
+          delta, d_o, dscale_centre, dalibi_centre, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
       e.failure())
     return e;
   return run_on_pool(pool, &cpu::backward, p);

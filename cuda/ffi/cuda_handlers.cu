@@ -26,18 +26,18 @@ ffi::Error launch_status(cudaError_t status, const char* what) {
                               cudaGetErrorString(status));
 }
 
-// What the CUDA kernels do not have yet (params.h): ALiBi's slopes' gradient (dalibi; they run
-// ALiBi itself), and a value head dim other than the query/key one (they size every tile by one
-// head dim). Python refuses both when it lowers for CUDA (kernels._check_cuda_call); this refuses
-// them for any other caller, so that no kernel leaves dalibi unwritten or reads v, o, d_o and dv
-// with the wrong row length.
+// What the CUDA kernels do not take (params.h): a value head dim other than the query/key one
+// (they size every tile by one head dim). jaxflash's CUDA lowering never sends it: it zero-pads
+// the narrower operands to one head dim around the call and slices the results
+// (kernels.call_with_one_head_dim). This refuses it for any other caller, so that no kernel reads
+// v, o, d_o and dv with the wrong row length.
 ffi::Error refuse_cpu_only(const AttentionParams& p) {
-  if (p.has(kHasDalibi))
-    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels have no gradient of alibi_slopes yet");
   if (p.value_head_dim != p.head_dim)
-    return ffi::Error::InvalidArgument("jaxflash: the CUDA kernels need the value head dim (" +
-                                       std::to_string(p.value_head_dim) + ") equal to the query/key head dim (" +
-                                       std::to_string(p.head_dim) + ")");
+    return ffi::Error::InvalidArgument(
+        "jaxflash: the CUDA kernels take one head dim: the value head dim (" + std::to_string(p.value_head_dim) +
+        ") must equal the query/key head dim (" + std::to_string(p.head_dim) +
+        "); jaxflash's CUDA lowering zero-pads the narrower operands to one head dim before the call "
+        "(jaxflash/kernels.py, call_with_one_head_dim)");
   return ffi::Error::Success();
 }
 
@@ -66,6 +66,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::AnyBuffer seed, ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                          ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer scale,
                          ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer d_o, ffi::AnyBuffer dscale_centre,
+                         ffi::AnyBuffer dalibi_centre,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                          ffi::Result<ffi::AnyBuffer> dalibi, ffi::Result<ffi::AnyBuffer> dscale,
@@ -73,7 +74,7 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   AttentionParams p;
   if (auto e = decode_backward(
           p, {q, k, v, bias, mask, q_lens, kv_lens, seed, q_segment_ids, kv_segment_ids, alibi_slopes, scale}, lse,
-          delta, d_o, dscale_centre, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
+          delta, d_o, dscale_centre, dalibi_centre, *dq, *dk, *dv, *dbias, *dalibi, *dscale, attrs);
       e.failure())
     return e;
   if (auto e = refuse_cpu_only(p); e.failure()) return e;

@@ -31,14 +31,15 @@ namespace ffi = xla::ffi;
 // Slot order of the "strides" attribute; jaxflash/contract.py lists the same (SLOTS).
 enum Slot : int {
   kQ, kK, kV, kBias, kMask, kQLens, kKvLens, kO, kLse, kDo, kDelta, kDq, kDk, kDv, kDbias, kSeed,
-  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kScale, kDscale, kDscaleCentre, kSlots
+  kQSegmentIds, kKvSegmentIds, kAlibiSlopes, kDalibi, kScale, kDscale, kDscaleCentre, kDalibiCentre, kSlots
 };
 
 inline const char* slot_name(int slot) {
   static const char* names[kSlots] = {"q",    "k",     "v",    "bias", "mask",          "q_lens",
                                       "kv_lens", "o",   "lse",  "d_o",  "delta",         "dq",
                                       "dk",   "dv",    "dbias", "seed", "q_segment_ids", "kv_segment_ids",
-                                      "alibi_slopes", "dalibi", "scale", "dscale", "dscale_centre"};
+                                      "alibi_slopes", "dalibi", "scale", "dscale", "dscale_centre",
+                                      "dalibi_centre"};
   return names[slot];
 }
 
@@ -90,7 +91,8 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
   ArrayView* views[kSlots] = {&p.q,    &p.k,     &p.v,    &p.bias, &p.mask,          &p.q_lens,
                               &p.kv_lens, &p.o,   &p.lse,  &p.d_o,  &p.delta,         &p.dq,
                               &p.dk,   &p.dv,    &p.dbias, &p.seed, &p.q_segment_ids, &p.kv_segment_ids,
-                              &p.alibi_slopes, &p.dalibi, &p.scale_operand, &p.dscale, &p.dscale_centre};
+                              &p.alibi_slopes, &p.dalibi, &p.scale_operand, &p.dscale, &p.dscale_centre,
+                              &p.dalibi_centre};
   for (int s = 0; s < kSlots; ++s) {
     const int64_t* st = strides.begin() + s * (D + 2);
     for (int64_t d = 0; d < D; ++d) views[s]->inst_stride[d] = st[d];
@@ -106,11 +108,11 @@ inline ffi::Error decode_layout(const LayoutAttrs& a, AttentionParams& p) {
 inline void view_extent(const AttentionParams& p, int slot, int64_t& rows, int64_t& cols) {
   switch (slot) {
     case kBias: case kMask: case kDbias: rows = p.seqlen_q; cols = p.seqlen_k; return;
-    case kLse: case kDelta: case kDalibi: case kDscaleCentre: rows = p.seqlen_q; cols = 1; return;
+    case kLse: case kDelta: case kDscaleCentre: case kDalibiCentre: rows = p.seqlen_q; cols = 1; return;
     case kQLens: case kKvLens: case kAlibiSlopes: case kScale: rows = 1; cols = 1; return;
     case kSeed: rows = 1; cols = p.has(kDropoutOffsets) ? 4 : 2; return;
     case kQSegmentIds: rows = p.seqlen_q; cols = 1; return;
-    case kKvSegmentIds: case kDscale: rows = p.seqlen_k; cols = 1; return;
+    case kKvSegmentIds: case kDscale: case kDalibi: rows = p.seqlen_k; cols = 1; return;
     case kK: case kDk: rows = p.seqlen_k; cols = p.head_dim; return;
     case kV: case kDv: rows = p.seqlen_k; cols = p.value_head_dim; return;
     case kO: case kDo: rows = p.seqlen_q; cols = p.value_head_dim; return;
@@ -205,8 +207,8 @@ inline ffi::Error attach_inputs(AttentionParams& p, ffi::AnyBuffer& q, ffi::AnyB
   return attach_optional(p, kScaleOperand, kScale, p.scale_operand, scale, ffi::DataType::F32);
 }
 
-// The backward's outputs must have one writer per element: dq and dalibi may not be
-// shared along any instance axis, and dk, dv and dscale must be shared along the same ones
+// The backward's outputs must have one writer per element: dq and dalibi (per query head) may
+// not be shared along any instance axis, and dk, dv and dscale must be shared along the same ones
 // (the axes the K/V-outer pass reduces over). A scale operand must be shared along the axes
 // that dk, dv or dbias sum over: the CUDA backward reads one scale per K/V tile and per dbias
 // tile (vmap gives every mapped item its own gradients, so it never sums over a scale's axis).
@@ -249,7 +251,8 @@ inline ffi::Error decode_forward(AttentionParams& p, Inputs in, ffi::AnyBuffer& 
 }
 
 inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer& lse, ffi::AnyBuffer& delta,
-                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dscale_centre, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
+                                  ffi::AnyBuffer& d_o, ffi::AnyBuffer& dscale_centre,
+                                  ffi::AnyBuffer& dalibi_centre, ffi::AnyBuffer& dq, ffi::AnyBuffer& dk, ffi::AnyBuffer& dv,
                                   ffi::AnyBuffer& dbias, ffi::AnyBuffer& dalibi, ffi::AnyBuffer& dscale,
                                   const LayoutAttrs& attrs) {
   if (auto e = decode_inputs(p, in, attrs); e.failure()) return e;
@@ -267,6 +270,9 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
     return ffi::Error::InvalidArgument("jaxflash: dalibi asked for without alibi_slopes");
   if (auto e = attach_optional(p, kHasDalibi, kDalibi, p.dalibi, dalibi, ffi::DataType::F32); e.failure())
     return e;
+  if (auto e = attach_optional(p, kHasDalibi, kDalibiCentre, p.dalibi_centre, dalibi_centre, ffi::DataType::F32);
+      e.failure())
+    return e;
   if (p.has(kHasDscale) && !p.has(kScaleOperand))
     return ffi::Error::InvalidArgument("jaxflash: dscale asked for without a scale operand");
   if (auto e = attach_optional(p, kHasDscale, kDscale, p.dscale, dscale, ffi::DataType::F32); e.failure())
@@ -279,7 +285,7 @@ inline ffi::Error decode_backward(AttentionParams& p, Inputs in, ffi::AnyBuffer&
 
 // The FFI signatures, after each platform's context (thread pool or stream).
 // Forward: inputs, then results o, lse, workspace. Backward: inputs, lse, delta,
-// d_o, dscale_centre, then results dq, dk, dv, dbias, dalibi, dscale, workspace. Both end with the layout attributes.
+// d_o, dscale_centre, dalibi_centre, then results dq, dk, dv, dbias, dalibi, dscale, workspace. Both end with the layout attributes.
 // (Bindings are move-only with a private move constructor: taken by &&.)
 template <class Binding>
 auto bind_inputs(Binding&& binding) {  // q, k, v, bias, mask, q_lens, kv_lens, seed, segment ids, slopes, scale
@@ -317,6 +323,7 @@ auto bind_backward(Binding&& binding) {
                              .template Arg<ffi::AnyBuffer>()   // delta
                              .template Arg<ffi::AnyBuffer>()   // d_o
                              .template Arg<ffi::AnyBuffer>()   // dscale_centre
+                             .template Arg<ffi::AnyBuffer>()   // dalibi_centre
                              .template Ret<ffi::AnyBuffer>()   // dq
                              .template Ret<ffi::AnyBuffer>()   // dk
                              .template Ret<ffi::AnyBuffer>()   // dv

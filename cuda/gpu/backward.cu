@@ -4,7 +4,8 @@
 //              no gradient); delta is the operand XLA computed as
 //              rowsum(dO o O) - dlse from the float32 output
 //   main     : dK, dV, and dQ accumulated in fp32 in a fixed order (bwd_kernel.h), and a
-//              traced scale's dscale when asked for; then dbias when asked for (bwd_dbias.h)
+//              traced scale's dscale and ALiBi's dalibi when asked for; then dbias when asked
+//              for (bwd_dbias.h)
 //   post-pass: dq = scale * dQ accumulator, in dtype (0 for rows >= q_len)
 // The main / dbias kernels are instantiated per (dtype, head dim) in
 // generated instances (cmake/cuda.cmake); the pre / post passes depend on the dtype only.
@@ -90,9 +91,14 @@ __device__ __forceinline__ void store_dq_pair(T* dst, float x0, float x1, bool b
 // column 8 nf + 2 q + e % 2 of the warp's block. Each warp of this pass takes
 // whole (chunk, warp) parts and walks their fragments: every load is 32
 // consecutive floats, and each lane stores two adjacent columns of two rows.
-// (One warp per dq row, reading the fragment order scattered and decoding it
-// per element with divisions, took 255 us for 16k tokens x 2048 features on the
-// H100: a quarter of the whole backward at N = 1k.)
+// A part's loads all issue before its first store, kPostBatch fragments at a
+// time: the compiler cannot move a load of the accumulator above a store to dq
+// (they might alias), so loading and storing fragment by fragment left one
+// fragment in flight per warp and the pass at 1.4 TB/s (167 us for 16k tokens x
+// 2048 features, bf16, H100: 14% of the backward at N = 1k). (Before that, one
+// warp per dq row decoding the fragment order per element took 255 us.)
+constexpr int kPostBatch = 8;  // the sm_90 grid's part: 1 x 8 fragments
+
 template <class T>
 __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_constant__ AttentionParams p,
                                                                   const BwdRuntime rt, bool pairs) {
@@ -109,18 +115,25 @@ __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_c
   const float* const tile = rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad;
   // A tile no key tile visited took no dQ turn: its accumulator was never written (bwd_dq.h).
   const bool visited = rt.sems[static_cast<int64_t>(blockIdx.x) * rt.dq.warps] > 0;
-  const int part_floats = g.mf * g.nf * 128;
+  const int frags = g.mf * g.nf, part_floats = frags * 128;
   const int head_dim = static_cast<int>(p.head_dim);
   for (int part = pass_warp; part < g.chunks * g.warps; part += kPassThreads / 32) {
     const int chunk = part / g.warps, warp = part - chunk * g.warps;
     const int row0 = (warp / g.warps_n) * g.rows + lane / 4;
     const int col0 = chunk * g.chunk_cols + (warp % g.warps_n) * g.cols + 2 * (lane % 4);
-    const float* src = tile + static_cast<int64_t>(part) * part_floats + lane;
-    for (int mf = 0; mf < g.mf; ++mf)
-      for (int nf = 0; nf < g.nf; ++nf, src += 128) {
-        float x[4] = {0.f, 0.f, 0.f, 0.f};
-        if (visited) x[0] = src[0], x[1] = src[32], x[2] = src[64], x[3] = src[96];
-        const int col = col0 + 8 * nf;
+    const float* const src = tile + static_cast<int64_t>(part) * part_floats + lane;
+    for (int f0 = 0; f0 < frags; f0 += kPostBatch) {
+      float x[kPostBatch][4];
+#pragma unroll
+      for (int j = 0; j < kPostBatch; ++j) {
+        const bool live = visited && f0 + j < frags;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = live ? __ldcs(src + (f0 + j) * 128 + 32 * e) : 0.f;  // read once
+      }
+#pragma unroll
+      for (int j = 0; j < kPostBatch; ++j) {
+        if (f0 + j >= frags) break;
+        const int mf = (f0 + j) / g.nf, col = col0 + 8 * ((f0 + j) - mf * g.nf);
         if (col >= head_dim) continue;
         const bool both = col + 1 < head_dim;
 #pragma unroll
@@ -129,10 +142,11 @@ __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_c
           if (t >= p.seqlen_q) continue;
           const float k = t < q_len ? scale : 0.f;  // rows past q_len: exactly 0
           const int64_t at = t * p.dq.row_stride + col;
-          if (f32) store_dq_pair(dq_f32 + at, x[2 * h] * k, x[2 * h + 1] * k, both, pairs);
-          else store_dq_pair(dq + at, x[2 * h] * k, x[2 * h + 1] * k, both, pairs);
+          if (f32) store_dq_pair(dq_f32 + at, x[j][2 * h] * k, x[j][2 * h + 1] * k, both, pairs);
+          else store_dq_pair(dq + at, x[j][2 * h] * k, x[j][2 * h + 1] * k, both, pairs);
         }
       }
+    }
   }
 }
 
@@ -205,13 +219,16 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
       (p.has(kDropout) && !p.seed.data) ||
       (rows && keys && p.has(kHasSegmentIds) && (!p.q_segment_ids.data || !p.kv_segment_ids.data)) ||
       (p.has(kHasDscale) && (!p.has(kScaleOperand) || (keys && !p.dscale.data) ||
-                             (rows && keys && !p.dscale_centre.data))))
+                             (rows && keys && !p.dscale_centre.data))) ||
+      (p.has(kHasDalibi) && (!p.has(kHasAlibi) || (keys && !p.dalibi.data) ||
+                             (rows && keys && !p.dalibi_centre.data))))
     return cudaErrorInvalidValue;
-  // One writer per output element: dq is per instance; dk, dv and dscale are shared
+  // One writer per output element: dq and dalibi are per instance; dk, dv and dscale are shared
   // along the same axes (the ones a CTA loops over).
   const uint32_t kv_mask = shared_axes(p, p.dk);
   if (shared_axes(p, p.dq) != 0 || shared_axes(p, p.dv) != kv_mask ||
-      (p.has(kHasDscale) && shared_axes(p, p.dscale) != kv_mask))
+      (p.has(kHasDscale) && shared_axes(p, p.dscale) != kv_mask) ||
+      (p.has(kHasDalibi) && shared_axes(p, p.dalibi) != 0))
     return cudaErrorInvalidValue;
 
   const BwdWorkspaceLayout w =
@@ -255,10 +272,12 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // and dropout in their general variant only; the sm_90 kernel reads no bias or mask, and
   // dropout and the score modifiers each in a copy of its own (BwdSm90Config), not both at
   // once. A scale operand is read by the mma.sync kernels' general variant only
-  // (with_scale_operand).
+  // (with_scale_operand), and so is ALiBi's slope gradient (kHasDalibi, bwd_dalibi.h): the sm_90
+  // kernel runs ALiBi but does not write dalibi, so a call that differentiates the slopes runs
+  // the general variant on Hopper too.
   const bool score_mods = has_score_mods(p);
   const bool sm90_excluded = has_bias || has_mask || (score_mods && p.has(kDropout)) || p.has(kScaleOperand) ||
-                             !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
+                             p.has(kHasDalibi) || !rt.q_vec || !rt.k_vec || !rt.v_vec || !rt.do_vec;
   rt.general = sm90_excluded || p.has(kDropout) || score_mods;
   // The fast variant's larger tiles can exceed a device's shared memory
   // (sm_86 / sm_89 have 99 KB per block); the general variant computes the

@@ -9,6 +9,9 @@
 //   dscale += Σ dS o (S - E)  (a traced scale's gradient, general variant: from float32 dS and
 //                        a second S = Q K^T, centred on the rows' dscale_centre E; one sum per
 //                        CTA, bwd_key_tile.h's store_dscale)
+//   dalibi[s] -= Σ_t dS o (|d| - C)  (ALiBi's slope gradient, general variant: per key row of
+//                        each query head, from float32 dS of the logits, centred on the rows'
+//                        dalibi_centre C; stored after the instance's Q tiles, bwd_dalibi.h)
 //
 // dQ goes into the fp32 workspace in a fixed order, so the result is bitwise
 // reproducible: bwd_dq.h has the protocol (shared with bwd_sm90_kernel.h).
@@ -25,6 +28,7 @@
 
 #include <cstdint>
 
+#include "bwd_dalibi.h"
 #include "bwd_dq.h"
 #include "bwd_key_tile.h"
 #include "bwd_kernel_traits.h"
@@ -100,6 +104,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // A scale operand runs the general variant only (backward.cu), so only it forms dscale.
   const bool want_dscale = Cfg::kGeneral && p.has(kHasDscale);
   float dscale = 0.f;  // this thread's share of the CTA's (bwd_scores.h, dscale_share)
+  // ALiBi's slope gradient (bwd_dalibi.h): in the general copies that run ALiBi (not the one for
+  // segment ids alone, bwd_scores.h), a run-time test, so calls without it pay a predicate per
+  // tile pair; its sums live in shared memory, not in registers held across the Q-tile loop.
+  constexpr bool kAlibiCopy = Cfg::kGeneral && (!Cfg::kSegmentIds || Cfg::kSoftcap);
+  const bool want_dalibi = kAlibiCopy && p.has(kHasDalibi);
+  if constexpr (kAlibiCopy)
+    if (want_dalibi) clear_dalibi<Cfg>(tid);
 
   ResidentKv<T> resident;  // a GQA group shares the K/V rows
   int* pending = nullptr;  // semaphore of the last dQ turn, not yet signalled
@@ -109,7 +120,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
     const InstanceBounds b = instance_bounds(p, linear);
     const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
-    if (rows.lo >= rows.hi) continue;  // nothing to add, and no dQ tile waits for us
+    if (rows.lo >= rows.hi) {  // nothing to add, and no dQ tile waits for us
+      if constexpr (kAlibiCopy)
+        if (want_dalibi) zero_dalibi<BN>(p, linear, n0, tid);
+      continue;
+    }
     const InstanceIndex inst(p, linear);
     const T* q = inst.origin<const T>(p, p.q);
     const T* d_o = inst.origin<const T>(p, p.d_o);
@@ -133,7 +148,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       return ids ? rt.segments.next_meeting_q_tile(linear, i, i_last, key_tile, lane) : i;
     };
     const int64_t i_begin = visit_from(rows.lo / BM);
-    if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
+    if (i_begin > i_last) {  // no Q tile shares an id with these keys: no dQ turn either
+      if constexpr (kAlibiCopy)
+        if (want_dalibi) zero_dalibi<BN>(p, linear, n0, tid);
+      continue;
+    }
 
     // Every warp is past its last reads of the previous instance's tiles (sK / sV in the dQ
     // GEMM, the Q / dO stages in the dK / dV GEMMs) before the loads below overwrite them: the
@@ -170,9 +189,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         float logit_rows[Cfg::kSMF][2];  // the soft-cap copy's rows of dS of the logits (dscale_share)
         const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
         in.segment_test = ids && rt.segments.needs_test(linear, i, key_tile);
-        probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane,
-                               Cfg::kSoftcap && want_dscale ? &logit_rows : nullptr);
+        // ALiBi's slope gradient from dS of the logits (bwd_dalibi.h): the instance's rows of
+        // dalibi_centre, formed here from `linear` as dscale's centre is below.
+        auto add_dalibi = [&](const float (&ds_logits)[Cfg::kSMF][Cfg::kSNF][4], int diag) {
+          if constexpr (kAlibiCopy) {
+            if (!want_dalibi) return;
+            const float* centre =
+                static_cast<const float*>(p.dalibi_centre.data) + instance_offset(p, p.dalibi_centre, linear);
+            add_dalibi_share<Cfg>(dalibi_share(ds_logits, diag, static_cast<int>(m0 + s_row0 + b.offset), centre,
+                                               p.dalibi_centre.row_stride, m0 + s_row0, p.seqlen_q, lane),
+                                  warp, lane);
+          }
+        };
+        if constexpr (Cfg::kSoftcap) {  // before the cap's slope, inside probs_and_dscores
+          probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane,
+                                 want_dscale ? &logit_rows : nullptr,
+                                 [&](const auto& ds_logits, const ScoreBlock& blk) { add_dalibi(ds_logits, blk.diag); });
+        } else {
+          probs_and_dscores<Cfg>(pr, ds, p, rt, b, in, m0, n0, full, sQ, sK, sdO, sV, s_row0, s_col0, lane);
+        }
         store_frags<T>(sP, pr, s_row0, s_col0, 1.f, lane);
+        // The other copies: ds is dS of the logits; P's registers are free now.
+        if constexpr (!Cfg::kSoftcap)
+          add_dalibi(ds, static_cast<int>(m0 + s_row0 + b.offset - n0 - s_col0));
         if (want_dscale) {
           // The instance's rows of dscale_centre, formed here from `linear` rather than held through
           // the Q-tile loop (a pointer's registers there cost the segment-id copy spills): a few
@@ -198,6 +237,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       accumulate_dq<Cfg>(rt.dq_acc + (linear * rt.t_pad + m0) * rt.d_pad,
                          rt.sems + (linear * rt.q_tiles + i) * Cfg::kWarps, target, pending, sdS, sK, dq_stage,
                          lane, warp);
+    }
+    if constexpr (kAlibiCopy) {
+      if (want_dalibi) store_dalibi<Cfg>(p, linear, n0, tid);  // the instance's key rows: this CTA's
     }
   }
   flush_dq_turn(pending, lane);

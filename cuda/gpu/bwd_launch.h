@@ -38,9 +38,9 @@ cudaError_t launch_backward_main(const AttentionParams& p, const BwdRuntime& rt,
   return cudaGetLastError();
 }
 
-template <class T, int D, bool kDropout, bool kScoreMods = false>
+template <class T, int D, bool kDropout, bool kScoreMods = false, bool kSegmentIds = false>
 cudaError_t launch_backward_sm90(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
-  using Cfg = BwdSm90Config<T, D, kDropout, kScoreMods>;
+  using Cfg = BwdSm90Config<T, D, kDropout, kScoreMods, kSegmentIds>;
   auto* kernel = &backward_sm90_kernel<Cfg>;
   if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = rt.kv_kept * rt.k_tiles;
@@ -72,9 +72,10 @@ template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_backward_instance(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   if constexpr (bwd_sm90_covers(sizeof(T), D)) {
     if (rt.sm90)  // no bias, so no dbias; dropout and score modifiers not together (backward.cu)
-      return p.has(kDropout)   ? launch_backward_sm90<T, D, true>(p, rt, stream)
-             : has_score_mods(p) ? launch_backward_sm90<T, D, false, true>(p, rt, stream)
-                                 : launch_backward_sm90<T, D, false>(p, rt, stream);
+      return p.has(kDropout)            ? launch_backward_sm90<T, D, true>(p, rt, stream)
+             : p.has(kHasSegmentIds)    ? launch_backward_sm90<T, D, false, true, true>(p, rt, stream)
+             : has_score_mods(p)        ? launch_backward_sm90<T, D, false, true>(p, rt, stream)
+                                        : launch_backward_sm90<T, D, false>(p, rt, stream);
   }
   // Segment ids with ALiBi run the copy for ids and a soft-cap (bwd_scores.h: the copy for
   // ids alone has no ALiBi code).

@@ -64,8 +64,16 @@ __device__ __forceinline__ bool tile_pair_full(const AttentionParams& p, const I
 // dS is that of Q K^T (what dQ and dK need), or with kDsOfLogits that of the
 // logits (dbias's): they differ under a soft-cap, by its slope 1 - tanh^2. In the soft-cap
 // copy, with the cap on, logit_rows (when given) <- each fragment row's sum of dS of the
-// logits over the warp block's keys, which dscale_share's centre multiplies.
-template <class Cfg, bool kDsOfLogits = false>
+// logits over the warp block's keys, which dscale_share's centre multiplies. In the soft-cap
+// copy, on_logit_ds(ds, blk) sees dS of the logits before the slope turns it into dS of Q K^T
+// (ALiBi's slope gradient, bwd_dalibi.h, wants the former); the other copies' ds is dS of the
+// logits when this returns, and they never call it.
+struct NoLogitDs {
+  template <class Ds>
+  __device__ __forceinline__ void operator()(const Ds&, const ScoreBlock&) const {}
+};
+
+template <class Cfg, bool kDsOfLogits = false, class OnLogitDs = NoLogitDs>
 __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kSNF][4],
                                                   float (&ds)[Cfg::kSMF][Cfg::kSNF][4], const AttentionParams& p,
                                                   const BwdRuntime& rt, const InstanceBounds& b,
@@ -73,7 +81,8 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
                                                   const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK,
                                                   const typename Cfg::QTile& sdO, const typename Cfg::KTile& sV,
                                                   int row0, int col0, int lane,
-                                                  float (*logit_rows)[Cfg::kSMF][2] = nullptr) {
+                                                  float (*logit_rows)[Cfg::kSMF][2] = nullptr,
+                                                  OnLogitDs on_logit_ds = {}) {
   using T = typename Cfg::T;
   constexpr int MF = Cfg::kSMF, NF = Cfg::kSNF, D = Cfg::kHeadDim;
 
@@ -178,6 +187,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
   // is: an inf in V cannot leak into invisible positions as 0 * inf = NaN.
   auto apply_slope = [&] {  // dS of the logits -> dS of Q K^T
     if constexpr (kSlope) {
+      on_logit_ds(ds, blk);
       if (!(rt.softcap2 > 0.f)) return;  // the copy also runs ALiBi with ids, uncapped
       if (logit_rows != nullptr) lane_row_sums(ds, *logit_rows);
 #pragma unroll

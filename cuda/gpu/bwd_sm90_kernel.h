@@ -94,18 +94,22 @@ namespace jaxflash::gpu {
 
 // kDropout: a copy of the kernel with dropout, so that the copy without keeps
 // its registers (the dropout's state adds ~50-100 bytes of spills).
-// kScoreMods: a copy with the soft-cap, ALiBi and segment ids, run-time values
-// picking which apply, so that the plain copy keeps its registers (the
-// soft-cap's slopes alone are 32 per thread). Not with dropout: backward.cu
-// runs that combination on the mma.sync general kernel.
-template <class T_, int D, bool kDropout_, bool kScoreMods_ = false>
+// kScoreMods: a copy with the soft-cap and ALiBi, run-time values picking
+// which apply, so that the plain copy keeps its registers (the soft-cap's slopes
+// alone are 32 per thread). Not with dropout: backward.cu runs that combination
+// on the mma.sync general kernel. kSegmentIds (with kScoreMods): segment ids too,
+// whose machinery (the Q tiles skipped by ballots, the key rows' ids, the turns
+// named to the writer) a call without ids does not pay for.
+template <class T_, int D, bool kDropout_, bool kScoreMods_ = false, bool kSegmentIds_ = false>
 struct BwdSm90Config {
   using T = T_;
   static_assert(bwd_sm90_covers(sizeof(T), D), "see bwd_tile_size.h");
   static constexpr int kHeadDim = D;
   static constexpr bool kDropout = kDropout_;
   static constexpr bool kScoreMods = kScoreMods_;
+  static constexpr bool kSegmentIds = kSegmentIds_;
   static_assert(!(kDropout && kScoreMods), "dropout with score modifiers runs the mma.sync kernel");
+  static_assert(kScoreMods || !kSegmentIds, "segment ids run in the score-mods copy");
   static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;  // and the producer's and dQ writer's
@@ -131,7 +135,7 @@ struct BwdSm90Config {
   // Offsets from the 1024-byte aligned base: Q / dO of stage s at 2 s (2 s + 1)
   // QTile::kBytes, then K, V, dS^T, lse2 / delta of stage s at kStatsOff +
   // (2 s, 2 s + 1) BLOCK_M floats, the Q tile's row words of stage s at
-  // kRowWordsOff + s BLOCK_M words (the dropout's row keys, or with kScoreMods
+  // kRowWordsOff + s BLOCK_M words (the dropout's row keys, or with kSegmentIds
   // the queries' segment ids), the two dQ stages, their mbarriers (full 0, 1,
   // empty 0, 1), their DqTurns, and the Q-tile stages' mbarriers (QTileStages:
   // full 0, 1, empty 0, 1).
@@ -193,7 +197,7 @@ struct DqTurn {
 
 // The writer's loop: the staged tiles in the consumers' order, each added in
 // its turn (bwd_dq.h: add_dq_tile) on the tile's first semaphore. In the
-// kScoreMods copy, whose consumers skip Q tiles by segment ids, they name each
+// kSegmentIds copy, whose consumers skip Q tiles by segment ids, they name each
 // tile and its turn (DqTurn) until the end mark; the other copies' writer walks
 // the consumers' instances and Q tiles itself and forms the turns from the
 // visible range: with the named turns the plain copy measured 0.94-0.96 of
@@ -208,7 +212,7 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
     add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
                 rt.sems + tile * Cfg::kDq.warps, target, pending, empty + stage.index);
   };
-  if constexpr (Cfg::kScoreMods) {
+  if constexpr (Cfg::kSegmentIds) {
 #pragma unroll 1
     for (uint32_t n = 0;; ++n) {
       const Stage<2> stage(n);
@@ -243,7 +247,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kThreads = Cfg::kConsumerThreads;
   constexpr int kSubM = Cfg::kSubM;
-  constexpr bool kMods = Cfg::kScoreMods;
+  constexpr bool kMods = Cfg::kScoreMods, kIds = Cfg::kSegmentIds;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
   using DsTile = typename Cfg::DsTile;
@@ -308,14 +312,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   ResidentKv<T> resident;  // a GQA group shares the K/V rows
   uint32_t q_tile_n = 0;   // Q tiles visited, over the whole walk: the load stage and its phase
   uint32_t dq_turn = 0;    // tiles handed to the writer: the dQ stage and its phase
-  // Hands the next dQ stage to the writer (kScoreMods: with `turn`), once the writer's
+  // Hands the next dQ stage to the writer (kSegmentIds: with `turn`), once the writer's
   // reduction of two turns ago has read it; `stage_frags(dst)` first writes the tile's
   // partial into it.
   auto hand_over = [&](const DqTurn& turn, auto&& stage_frags) {
     const Stage<2> stage(dq_turn++);
     mbar_wait(dq_empty + stage.index, stage.parity ^ 1u);
     stage_frags(dq_stages + stage.index * Cfg::kDqTileFloats);
-    if constexpr (kMods)
+    if constexpr (kIds)
       if (tid == 0) dq_turns[stage.index] = turn;
     fence_proxy_async_shared();  // the stage writes, before the bulk engine reads them
     __syncwarp();
@@ -330,7 +334,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (rows.lo >= rows.hi) continue;
     const int64_t i_last = (rows.hi - 1) / BM;
     auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
-      return visited_q_tile<kMods>(rt, linear, i, i_last, key_tile, lane);
+      return visited_q_tile<kIds>(rt, linear, i, i_last, key_tile, lane);
     };
     const int64_t i_begin = visit_from(rows.lo / BM);
     if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
@@ -341,9 +345,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, inst.origin<const uint32_t>(p, p.seed))
                                                   .pair(n0 + warp_key0 + frag_row(0, 0, lane))
                                             : 0u;
-    // Segment ids (kScoreMods): the queries' come with the tile (row words), the lane's
+    // Segment ids (kSegmentIds): the queries' come with the tile (row words), the lane's
     // two key rows' are loaded here (keys past S are masked by position).
-    const bool ids = kMods && rt.segments.q != nullptr;
+    const bool ids = kIds && rt.segments.q != nullptr;
     int32_t key_ids[2] = {};
     if (ids) {
       const int32_t* kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
@@ -523,15 +527,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kk = 0; kk < BN / 16; ++kk) wgmma_ss<T, 64, true, true>(dq, ds_op.step(kk), k_op.step(kk), kk > 0);
         wgmma_commit();
       }
-      // kScoreMods: the key tile's turn on this Q tile (bwd_dq.h), counting under segment ids
-      // only the key tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
+      // kSegmentIds: the key tile's turn on this Q tile (bwd_dq.h), counting only the key
+      // tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
       DqTurn turn{};
-      if constexpr (kMods) {
+      if constexpr (kIds) {
         turn = DqTurn{linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, true, lane)};
       }
       wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
       hold_acc(dq);
-      mbar_arrive_if(stages.empty(stage.index), lane == 0);  // the tile's last reads of the stage
+      mbar_arrive(stages.empty(stage.index));  // this thread's last reads of the stage
 
       // To the writer: each warp's block in the accumulator's layout.
       hand_over(turn, [&](float* stage_floats) {
@@ -539,7 +543,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       });
     }
   }
-  if constexpr (kMods) hand_over(DqTurn{-1, 0}, [](float*) {});  // the end of the turns
+  if constexpr (kIds) hand_over(DqTurn{-1, 0}, [](float*) {});  // the end of the turns
   hold_acc(dk);
   hold_acc(dv);
   store_dk_dv<kThreads, BN, T, Cfg::kConsumerBarrier>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);

@@ -14,8 +14,12 @@
 //              modifiers every lane also writes its share of the row words
 //              (the rows' dropout keys, or their segment ids) and arrives.
 //   consumers  wait full[s] (every thread), compute, and arrive on empty[s]
-//              (a lane per warp) once the tile's last products, which read Q
-//              and dO, have completed.
+//              (every thread) once the tile's last products, which read Q
+//              and dO, have completed. Every reader arrives, not a lane per
+//              warp: a thread's own arrival is what orders its shared-memory
+//              reads (lse2, delta, row words) before the producer's next
+//              writes; a lane's arrival says nothing of its warp's other
+//              lanes (compute-sanitizer's racecheck flags exactly that).
 //
 // No deadlock. The producer and the consumers step the same tiles (visited_q_tile
 // over the same instances and visible range, with the same segment-id skipping),
@@ -41,7 +45,7 @@
 namespace jaxflash::gpu {
 
 // The first Q tile from i on (to i_last) that key tile `key_tile` of instance
-// `linear` visits: i, or with kIds (the kScoreMods copy) the first whose ids may
+// `linear` visits: i, or with kIds (the kSegmentIds copy) the first whose ids may
 // meet the key tile's (a ballot: the whole warp calls, converged); > i_last
 // when none. The consumers and the producer step their tiles with it.
 template <bool kIds>
@@ -59,9 +63,9 @@ struct QTileStages {
   using QTile = typename Cfg::QTile;
   // Rows that carry a word (the dropout's keys, or segment ids): every producer
   // lane writes its share and arrives on full, after its stores.
-  static constexpr bool kRowWords = Cfg::kDropout || Cfg::kScoreMods;
+  static constexpr bool kRowWords = Cfg::kDropout || Cfg::kSegmentIds;
   static constexpr int kFullArrivals = kRowWords ? 32 : 1;
-  static constexpr int kEmptyArrivals = Cfg::kConsumerThreads / 32;  // a lane of each consumer warp
+  static constexpr int kEmptyArrivals = Cfg::kConsumerThreads;  // every reader (see the top)
   static constexpr uint32_t kTxBytes = 2 * QTile::kBytes + 2 * BM * 4;  // what the bulk engine writes
 
   char* base;
@@ -97,7 +101,7 @@ __device__ __forceinline__ void load_q_tiles(const AttentionParams& p, const Bwd
                                              const QTileStages<Cfg>& stages, int64_t kept, int64_t key_tile,
                                              int lane) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
-  constexpr bool kMods = Cfg::kScoreMods;
+  constexpr bool kIds = Cfg::kSegmentIds;
   const int64_t n0 = key_tile * BN;
   uint32_t n = 0;  // tiles loaded: the stage and its phase
 #pragma unroll 1
@@ -117,13 +121,13 @@ __device__ __forceinline__ void load_q_tiles(const AttentionParams& p, const Bwd
     const DropoutKey dropout =
         Cfg::kDropout ? make_dropout_key(p, static_cast<const uint32_t*>(p.seed.data) + instance_offset(p, p.seed, linear))
                       : DropoutKey{};
-    const bool ids = kMods && rt.segments.q != nullptr;
+    const bool ids = kIds && rt.segments.q != nullptr;
     const int32_t* const q_ids =
         ids ? static_cast<const int32_t*>(p.q_segment_ids.data) + instance_offset(p, p.q_segment_ids, linear)
             : nullptr;
 #pragma unroll 1
-    for (int64_t i = visited_q_tile<kMods>(rt, linear, rows.lo / BM, i_last, key_tile, lane); i <= i_last;
-         i = visited_q_tile<kMods>(rt, linear, i + 1, i_last, key_tile, lane), ++n) {
+    for (int64_t i = visited_q_tile<kIds>(rt, linear, rows.lo / BM, i_last, key_tile, lane); i <= i_last;
+         i = visited_q_tile<kIds>(rt, linear, i + 1, i_last, key_tile, lane), ++n) {
       const Stage<2> st(n);
       const int m0 = static_cast<int>(i * BM);  // below 2^31 (tma_encode.h)
       uint64_t* const full = stages.full(st.index);

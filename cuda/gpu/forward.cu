@@ -49,17 +49,23 @@ auto with_sm90_head_dim(int64_t head_dim, F&& f) {
 }
 
 // Its tiles, and its shared memory, for the copy the launch picks (fwd_launch.h: kScoreMods
-// where fwd_score_mods).
-TileShape sm90_tiles(int64_t head_dim, bool score_mods) {
+// where fwd_score_mods, else 160-key tiles where `wide`).
+TileShape sm90_tiles(int64_t head_dim, bool score_mods, bool wide) {
   return with_sm90_head_dim(head_dim, [&](auto d) {
     auto shape = [](auto tiles) { return TileShape{decltype(tiles)::kBlockM, decltype(tiles)::kBlockN}; };
     constexpr int D = decltype(d)::value;
+    if constexpr (D == 128) {
+      if (wide) return shape(FwdSm90TileSize<D, false, true>{});
+    }
     return score_mods ? shape(FwdSm90TileSize<D, true>{}) : shape(FwdSm90TileSize<D, false>{});
   });
 }
-int sm90_smem_bytes(int64_t head_dim, bool score_mods) {
+int sm90_smem_bytes(int64_t head_dim, bool score_mods, bool wide) {
   return with_sm90_head_dim(head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
+    if constexpr (D == 128) {
+      if (wide) return fwd_sm90_smem_bytes<D, false, true>();
+    }
     return score_mods ? fwd_sm90_smem_bytes<D, true>() : fwd_sm90_smem_bytes<D, false>();
   });
 }
@@ -68,7 +74,7 @@ int sm90_smem_bytes(int64_t head_dim, bool score_mods) {
 // kernel_traits.h's fwd_sm90_case; a device that runs sm_90a code, enough shared
 // memory), and its descriptors if so.
 cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
-  rt.sm90 = false;
+  rt.sm90 = rt.sm90_wide_keys = false;
   if (kNoSm90 || !fwd_sm90_case(p, rt) || !fwd_sm90_covers(dtype_bytes(p.dtype), static_cast<int>(p.head_dim)))
     return cudaSuccess;
   bool runs = false;
@@ -78,8 +84,10 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
       err != cudaSuccess)
     return err;
   const bool score_mods = fwd_score_mods(p, rt);
-  if (sm90_smem_bytes(p.head_dim, score_mods) > smem_limit) return cudaSuccess;
-  const TileShape tiles = sm90_tiles(p.head_dim, score_mods);
+  const bool wide = !score_mods && fwd_sm90_wide_keys(static_cast<int>(p.head_dim), p.seqlen_k);
+  if (sm90_smem_bytes(p.head_dim, score_mods, wide) > smem_limit) return cudaSuccess;
+  const TileShape tiles = sm90_tiles(p.head_dim, score_mods, wide);
+  rt.sm90_wide_keys = wide;
   rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, tiles.block_m) &&
             encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, tiles.block_n) &&
             encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, tiles.block_n);
@@ -179,7 +187,8 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   if (err == cudaSuccess) err = choose_sm90(p, rt, device);
   if (err != cudaSuccess) return err;
   // The id ranges follow the tiles of the kernel that runs.
-  const TileShape tiles = rt.sm90 ? sm90_tiles(p.head_dim, fwd_score_mods(p, rt)) : general_tiles(p.head_dim, p.dtype);
+  const TileShape tiles =
+      rt.sm90 ? sm90_tiles(p.head_dim, fwd_score_mods(p, rt), rt.sm90_wide_keys) : general_tiles(p.head_dim, p.dtype);
   if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, segment_scratch, rt.segments, stream)) !=
       cudaSuccess)
     return err;

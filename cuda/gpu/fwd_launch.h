@@ -52,13 +52,21 @@ template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   if constexpr (fwd_sm90_covers(sizeof(T), D)) {
     if (rt.sm90) {  // forward.cu checked the conditions (fwd_sm90_case)
-      using Plain = FwdSm90Config<T, D, false>;
-      using Dropout = FwdSm90Config<T, D, true>;
       using ScoreMods = FwdSm90Config<T, D, false, true>;
       if (fwd_score_mods(p, rt))
         return launch_query_tiles<ScoreMods, true>(&forward_sm90_kernel<ScoreMods>, p, rt, stream);
-      return p.has(kDropout) ? launch_query_tiles<Dropout, true>(&forward_sm90_kernel<Dropout>, p, rt, stream)
-                             : launch_query_tiles<Plain, true>(&forward_sm90_kernel<Plain>, p, rt, stream);
+      // The plain or dropout copy, with 160-key tiles where forward.cu chose them.
+      auto launch = [&](auto wide) {
+        constexpr bool kWide = decltype(wide)::value;
+        using Plain = FwdSm90Config<T, D, false, false, kWide>;
+        using Dropout = FwdSm90Config<T, D, true, false, kWide>;
+        return p.has(kDropout) ? launch_query_tiles<Dropout, true>(&forward_sm90_kernel<Dropout>, p, rt, stream)
+                               : launch_query_tiles<Plain, true>(&forward_sm90_kernel<Plain>, p, rt, stream);
+      };
+      if constexpr (D == 128) {
+        if (rt.sm90_wide_keys) return launch(std::true_type{});
+      }
+      return launch(std::false_type{});
     }
   }
   using Fast = FwdConfig<T, D, false, M>;

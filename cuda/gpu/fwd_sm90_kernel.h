@@ -73,7 +73,8 @@ namespace jaxflash::gpu {
 // score_tile): a folded scale (a scale operand, scale <= 0), the soft-cap,
 // ALiBi, and segment ids, whose key tiles that cannot meet the query tile it
 // skips (fwd_sm90_mainloop.h's KeyTileWalk); not with dropout (forward.cu).
-template <class T_, int D, bool kDropout_, bool kScoreMods_ = false>
+// kWideKeys: 160-key tiles (tile_size.h), for long keys at D = 128.
+template <class T_, int D, bool kDropout_, bool kScoreMods_ = false, bool kWideKeys = false>
 struct FwdSm90Config {
   using T = T_;
   static_assert(fwd_sm90_covers(sizeof(T), D), "see tile_size.h");
@@ -85,12 +86,12 @@ struct FwdSm90Config {
   // kScoreMods copy its general steps and the segment ids' test; never a bias or a mask
   // (fwd_sm90_case), whose code would only cost registers.
   static constexpr bool kGeneral = kScoreMods, kSegmentIds = kScoreMods, kBiasMask = false;
-  static constexpr int kBlockM = FwdSm90TileSize<D, kScoreMods>::kBlockM;
-  static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods>::kBlockN;
-  static constexpr int kStages = FwdSm90TileSize<D, kScoreMods>::kStages;
-  static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods>::kPingPong;
-  static constexpr bool kSeparateO = FwdSm90TileSize<D, kScoreMods>::kSeparateO;
-  static constexpr int kTileSlots = FwdSm90TileSize<D, kScoreMods>::kTileSlots;
+  static constexpr int kBlockM = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kBlockM;
+  static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kBlockN;
+  static constexpr int kStages = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kStages;
+  static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kPingPong;
+  static constexpr bool kSeparateO = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSeparateO;
+  static constexpr int kTileSlots = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kTileSlots;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -107,7 +108,7 @@ struct FwdSm90Config {
   using QTile = GmmaTile<T, kBlockM, D>;  // Q, and O on its way out
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
-  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kScoreMods>(), "tile_size.h sizes the same layout");
+  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kScoreMods, kWideKeys>(), "tile_size.h sizes the same layout");
   // The shape the epilogue (fwd_epilogue.h) sees: the consumer warps, one m16
   // fragment of rows each.
   static constexpr int kWarpRows = 16, kMF = 1, kDF = D / 8, kNF = kBlockN / 8;
@@ -193,8 +194,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
           ops.alibi2 = 1.4426950408889634f * alibi_slope(p, tile.linear);
         }
-        forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, warpgroup - 1, ctid % 128, n,
-                                  kv);
+        const int wg = warpgroup - 1;
+        if (tile.m0 + 64 * wg < pos.q_len)
+          forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, wg, ctid % 128, n, kv);
+        else  // rows all past the query length: nothing to compute
+          forward_sm90_pass<Cfg>(p, pos, sm, walk, top, wg, lane, n, kv);
       } else {
         // Q's phase completed without a load: nothing to read, and with O in a buffer of
         // its own nothing to wait for before releasing it.

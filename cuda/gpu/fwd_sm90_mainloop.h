@@ -368,4 +368,53 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   kv += r;
 }
 
+// A consumer warpgroup whose 64 rows are all at or past the instance's query length
+// (the last tile of a sequence that BLOCK_M does not divide: at D = 64, N = 1k, the
+// last 192-row tile has 64 rows): it computes nothing, and its rows keep O = 0 and
+// lse = -inf, as fully masked rows do. It keeps forward_sm90_consume's protocol (the
+// same waits, arrivals, ping-pong turns and barriers, round by round), so that every
+// stage is released and the other consumers' turns and barriers come as they would.
+// Its arrivals may come before the computing warpgroups' do: each follows its wait
+// for the stage's phase, which is the one the producer counts them towards.
+template <class Cfg>
+__device__ __forceinline__ void forward_sm90_pass(const AttentionParams& p, const Positions& pos,
+                                                  const FwdSm90Smem<Cfg>& sm, const KeyTileWalk<Cfg>& walk,
+                                                  int top, int wg, int lane, uint32_t n, uint32_t& kv) {
+  constexpr int BN = Cfg::kBlockN, S = Cfg::kStages;
+  const bool zero_v = pos.kv_len < min(top + BN, static_cast<int>(p.seqlen_k));  // as the consumers'
+  auto pass_k = [&](int i) {
+    const Stage<S> st(kv + i);
+    mbar_wait(sm.k_full(st.index), st.parity);
+    mbar_arrive_if(sm.k_empty(st.index), lane == 0);
+  };
+  auto pass_v = [&](int i) {
+    const Stage<S> st(kv + i);
+    mbar_wait(sm.v_full(st.index), st.parity);
+    if (i == 0 && zero_v) named_sync(kZeroVBarrier, Cfg::kConsumerThreads);
+    mbar_arrive_if(sm.v_empty(st.index), lane == 0);
+  };
+  auto turn = [&](bool last_turn) {
+    if constexpr (Cfg::kPingPong) {
+      named_sync(kTurnBarrier + wg, Cfg::kConsumerThreads);
+      if (!(last_turn && wg == 1)) named_arrive(kTurnBarrier + (1 - wg), Cfg::kConsumerThreads);
+    }
+  };
+
+  mbar_wait(sm.q_full(), n & 1u);
+  if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
+  pass_k(0);  // round 0
+  turn(false);
+  int r = 1;
+#pragma unroll 1
+  for (int n0 = walk.next(top); walk.visits(n0); n0 = walk.next(n0), ++r) {  // rounds 1 .. n - 1
+    pass_k(r);
+    pass_v(r - 1);
+    turn(false);
+  }
+  if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
+  pass_v(r - 1);  // round n
+  turn(true);
+  kv += r;
+}
+
 }  // namespace jaxflash::gpu

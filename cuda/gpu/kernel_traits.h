@@ -101,6 +101,7 @@ struct FwdRuntime {
   // The sm_90 kernel runs (forward.cu: the device runs sm_90a code, the case
   // is covered, every operand has a TMA descriptor), with these descriptors.
   bool sm90;
+  bool sm90_wide_keys;  // with 160-key tiles (tile_size.h's fwd_sm90_wide_keys)
   TmaOperand tma_q, tma_k, tma_v;
   // Segment ids: the id ranges of the tiles of the kernel that runs (the sm_90 one's or the
   // general variant's), in the forward's scratch (segment_tiles.h); null tables without ids.

@@ -52,6 +52,17 @@ namespace jaxflash::gpu {
 //   D = 128: BLOCK_M = 128, two consumers of 240 registers. Two stages of K
 //            and V: (128 + 4 x 128) x 128 x 2 bytes = 160 KB, one CTA per SM
 //            (+ 32 KB for O: persistent, below).
+//            Wide keys (kWideKeys, the plain and dropout copies): BLOCK_N =
+//            160, S 80 registers and P 40, (128 + 128 + 4 x 160) x 256 bytes =
+//            224 KB with O. Each round of key tiles has a cost that does not
+//            grow with BLOCK_N (O's rescale, the rows' max and sum across
+//            lanes, the ping-pong hand-over), so fewer, wider rounds win where
+//            the last tile's padding is small. Measured against BLOCK_N = 128
+//            (H100, bf16, self-test bench, 2 alternating rounds, 2026-11-26):
+//            N = 16k 1.055 / 1.058 (causal), 4k 1.026 / 1.022, 1k 0.968 /
+//            0.948. A round costs about BLOCK_N + 52 keys' work (fitted to the
+//            16k cell; it predicts 0.97 at 1k): fwd_sm90_wide_keys picks the
+//            width that costs less by that count.
 //   D = 64:  BLOCK_M = 192, three consumers of 160 registers (FlashAttention-3's
 //            shape): at D = 64 the products are short beside the softmax, and a
 //            third warpgroup keeps the tensor cores fed. Measured against
@@ -64,6 +75,14 @@ namespace jaxflash::gpu {
 //            takes 80 keys there; wgmma_ss has N = 64 / 128 only.
 constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
   return elem_bytes == 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+// Whether the plain or dropout copy at D = 128 takes 160-key tiles (above): where
+// the rounds it needs, at BLOCK_N + 52 keys' work each, cost less than 128-key
+// ones (N = 1k: 7 x 212 > 8 x 180, no; 2k and longer, yes).
+constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
+  auto rounds_cost = [&](long long block_n) { return (seqlen_k + block_n - 1) / block_n * (block_n + 52); };
+  return head_dim == 128 && rounds_cost(160) < rounds_cost(128);
 }
 
 //
@@ -88,11 +107,12 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
 // The copy with score modifiers (kScoreMods: soft-cap, ALiBi, segment ids, a
 // folded scale) at D = 64 takes D = 128's shape: at 160 registers its
 // consumers spilled 724 / 792 bytes (stored / loaded), at 240 none.
-template <int D, bool kScoreMods = false>
+template <int D, bool kScoreMods = false, bool kWideKeys = false>
 struct FwdSm90TileSize {
+  static_assert(!kWideKeys || (D == 128 && !kScoreMods), "measured at D = 128, plain and dropout copies");
   static constexpr bool kThreeConsumers = D == 64 && !kScoreMods;
   static constexpr int kBlockM = kThreeConsumers ? 192 : 128;
-  static constexpr int kBlockN = D == 256 ? 64 : 128;
+  static constexpr int kBlockN = D == 256 ? 64 : kWideKeys ? 160 : 128;
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = !kThreeConsumers;  // two consumers take turns
   static constexpr bool kSeparateO = D != 256;  // O's own staging buffer (above)
@@ -102,9 +122,9 @@ struct FwdSm90TileSize {
 // Its shared memory: Q, O where kSeparateO, kStages K and V tiles, the mbarriers
 // (Q's two, the tile slots' two each, four per stage), the tile slots, and 1 KB
 // to align the base to the swizzle's 1024-byte atom (fwd_sm90_mainloop.h).
-template <int D, bool kScoreMods = false>
+template <int D, bool kScoreMods = false, bool kWideKeys = false>
 constexpr int fwd_sm90_smem_bytes() {
-  using Tiles = FwdSm90TileSize<D, kScoreMods>;
+  using Tiles = FwdSm90TileSize<D, kScoreMods, kWideKeys>;
   return (Tiles::kBlockM * (Tiles::kSeparateO ? 2 : 1) + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 +
          (2 + 2 * Tiles::kTileSlots + 4 * Tiles::kStages) * 8 + Tiles::kTileSlots * 4 + 1024;
 }

@@ -141,6 +141,7 @@ __device__ __forceinline__ void hold_acc(float (&d)[1][NF][4]) {
   "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, "   \
   "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, " \
   "%125, %126, %127}"
+#define JF_ACC_80 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}"
 #define JF_WGMMA_SS_N64(TY)                                                        \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                     \
   "wgmma.mma_async.sync.aligned.m64n64k16.f32" TY TY " " JF_ACC_32 ", %32, %33, " \
@@ -149,6 +150,10 @@ __device__ __forceinline__ void hold_acc(float (&d)[1][NF][4]) {
   "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                      \
   "wgmma.mma_async.sync.aligned.m64n128k16.f32" TY TY " " JF_ACC_64 ", %64, %65, " \
   "p, 1, 1, %67, %68;\n}\n"
+#define JF_WGMMA_SS_N160(TY)                                                        \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"                                      \
+  "wgmma.mma_async.sync.aligned.m64n160k16.f32" TY TY " " JF_ACC_80 ", %80, %81, " \
+  "p, 1, 1, %83, %84;\n}\n"
 #define JF_WGMMA_RS_N64(TY)                                                                          \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                       \
   "wgmma.mma_async.sync.aligned.m64n64k16.f32" TY TY " " JF_ACC_32 ", {%32, %33, %34, %35}, %36, " \
@@ -166,15 +171,17 @@ __device__ __forceinline__ void hold_acc(float (&d)[1][NF][4]) {
       "+f"(f[i + 6]), "+f"(f[i + 7])
 #define JF_OPS32(f) JF_OPS8(f, 0), JF_OPS8(f, 8), JF_OPS8(f, 16), JF_OPS8(f, 24)
 #define JF_OPS64(f) JF_OPS32(f), JF_OPS8(f, 32), JF_OPS8(f, 40), JF_OPS8(f, 48), JF_OPS8(f, 56)
+#define JF_OPS80(f) JF_OPS64(f), JF_OPS8(f, 64), JF_OPS8(f, 72)
 #define JF_OPS128(f)                                                                                          \
   JF_OPS64(f), JF_OPS8(f, 64), JF_OPS8(f, 72), JF_OPS8(f, 80), JF_OPS8(f, 88), JF_OPS8(f, 96), JF_OPS8(f, 104), \
       JF_OPS8(f, 112), JF_OPS8(f, 120)
 
 // d (+)= A . B, both from shared memory. kTransA / kTransB: the operand is
-// MN-major (else K-major). N = 64 or 128.
+// MN-major (else K-major). N = 64 or 128 (the backward's), or 160 (the sm_90
+// forward's S at D = 128, tile_size.h).
 template <class T, int N, bool kTransA, bool kTransB>
 __device__ __forceinline__ void wgmma_ss(Acc<N>& d, uint64_t a, uint64_t b, bool accumulate) {
-  static_assert(N == 64 || N == 128, "the shapes the backward uses");
+  static_assert(N == 64 || N == 128 || N == 160, "the shapes the kernels use");
 #if JF_WGMMA
   float* f = &d[0][0][0];
   const int acc = accumulate;
@@ -183,6 +190,10 @@ __device__ __forceinline__ void wgmma_ss(Acc<N>& d, uint64_t a, uint64_t b, bool
     asm volatile(JF_WGMMA_SS_N64(".bf16") : JF_OPS32(f) : "l"(a), "l"(b), "r"(acc), "n"(int{kTransA}), "n"(int{kTransB}));
   else if constexpr (N == 64)
     asm volatile(JF_WGMMA_SS_N64(".f16") : JF_OPS32(f) : "l"(a), "l"(b), "r"(acc), "n"(int{kTransA}), "n"(int{kTransB}));
+  else if constexpr (N == 160 && bf16)
+    asm volatile(JF_WGMMA_SS_N160(".bf16") : JF_OPS80(f) : "l"(a), "l"(b), "r"(acc), "n"(int{kTransA}), "n"(int{kTransB}));
+  else if constexpr (N == 160)
+    asm volatile(JF_WGMMA_SS_N160(".f16") : JF_OPS80(f) : "l"(a), "l"(b), "r"(acc), "n"(int{kTransA}), "n"(int{kTransB}));
   else if constexpr (bf16)
     asm volatile(JF_WGMMA_SS_N128(".bf16") : JF_OPS64(f) : "l"(a), "l"(b), "r"(acc), "n"(int{kTransA}), "n"(int{kTransB}));
   else
@@ -220,15 +231,18 @@ __device__ __forceinline__ void wgmma_rs(Acc<N>& d, const uint32_t (&a)[4], uint
 
 #undef JF_ACC_32
 #undef JF_ACC_64
+#undef JF_ACC_80
 #undef JF_ACC_128
 #undef JF_WGMMA_SS_N64
 #undef JF_WGMMA_SS_N128
+#undef JF_WGMMA_SS_N160
 #undef JF_WGMMA_RS_N64
 #undef JF_WGMMA_RS_N128
 #undef JF_WGMMA_RS_N256
 #undef JF_OPS8
 #undef JF_OPS32
 #undef JF_OPS64
+#undef JF_OPS80
 #undef JF_OPS128
 
 // The RS A operand for k step j (k in [16 j, 16 j + 16)) from an accumulator

@@ -10,8 +10,10 @@
 // padded head dim, all three dtypes (f32 on tf32 MMAs, and with kExactF32 on 3xTF32,
 // held to fp32 accuracy), a traced scale (the scale operand: dq of the scaled query in
 // float32, and dscale's partial sums, centred on the host's fp64 dscale_centre, plus the
-// centre's Σ C·dlse, against Σ dS·(q·k) per kv instance); then bitwise
-// determinism at a larger size.
+// centre's Σ C·dlse, against Σ dS·(q·k) per kv instance), ALiBi's slope gradient ("dslope"
+// cases: dalibi per key row of each query head against the fp64 reference of each row, with the
+// centre C_t = |E_t - t - offset| from the host's E, and its rows' sum plus Σ C·dlse against
+// -Σ dS·|s - t - offset| per query head); then bitwise determinism at a larger size.
 // o and lse come from the reference (fp64, rounded to the kernel's inputs), so
 // the test does not depend on the forward kernel. Like the FFI handler, every
 // case passes delta = rowsum(dO o O) - dlse (from the exact output) and no o.
@@ -75,6 +77,7 @@ struct Case {
   float softcap = 0.f;  // the logit soft-cap, 0 for none
   bool alibi = false;   // ALiBi: a slope per query head (alibi_slope_of)
   bool traced_scale = false;  // the scale as an operand (kScaleOperand), with kHasDscale
+  bool dslope = false;        // ALiBi's slope gradient (kHasDalibi): dalibi and its centre
   bool nan_padding = false;   // NaN in q / dO rows past q_len and k / v rows past kv_len
   bool split_batch = false;   // the batch as two instance axes (B even): four that move q
 };
@@ -110,6 +113,14 @@ Case traced(Case c) {
   return c;
 }
 
+// ALiBi with its slopes' gradient: the mma.sync general variant, on Hopper too (backward.cu).
+Case dslope(Case c) {
+  c.alibi = true;
+  c.dslope = true;
+  c.name = "dslope " + c.name;
+  return c;
+}
+
 // Everything one case needs on both sides.
 struct Problem {
   Case c;
@@ -121,6 +132,9 @@ struct Problem {
   // A traced scale's dscale_centre, BNT: each row's mean q.k under P, in fp64 then rounded (what
   // jaxflash/attention.py forms with a forward call), under a soft-cap times the cap's slope at it.
   std::vector<float> centre;
+  // ALiBi's dalibi_centre, BNT: each row's P-mean key position E_t = Σ_s P·s in fp64, rounded (what
+  // jaxflash/attention.py forms with a forward call; 0 for a row that sees no key).
+  std::vector<float> mean_key;
   HostArray bias;
   std::vector<uint8_t> mask;
   std::vector<int32_t> q_lens, kv_lens;
@@ -129,7 +143,7 @@ struct Problem {
   std::vector<float> slopes;  // ALiBi, one per query head; empty without it
   std::unique_ptr<DeviceBuffer> d_q, d_k, d_v, d_do, d_lse, d_delta, d_bias, d_mask, d_lens, d_ids, d_slopes, d_scale,
       d_centre;
-  std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_dscale, d_ws;
+  std::unique_ptr<DeviceBuffer> d_dq, d_dk, d_dv, d_dbias, d_dscale, d_ws, d_mean_key, d_dalibi;
 
   size_t q_index(int b, int n, int t, int h) const {
     const int N = c.N, T = c.T;
@@ -138,6 +152,11 @@ struct Problem {
   size_t kv_index(int b, int kh, int s, int h) const { return ((size_t(b) * c.S + s) * c.K + kh) * Hp + h; }
   size_t dscale_index(int b, int kh, int s) const { return (size_t(b) * c.S + s) * c.K + kh; }  // dk's rows
   size_t row_index(int b, int n, int t) const { return (size_t(b) * c.N + n) * c.T + t; }  // lse, dlse: BNT
+  size_t dalibi_index(int b, int n, int s) const { return (size_t(b) * c.N + n) * c.S + s; }  // BNS
+  // The kernels' centre of dalibi's row t: |E_t - (t + offset)| in float (params.h).
+  float alibi_centre(int b, int n, int t) const {
+    return std::fabs(mean_key[row_index(b, n, t)] - static_cast<float>(t + bounds(b).offset));
+  }
   // Bias / dbias element of (b, n, t, s) in its own storage.
   size_t bias_index(int b, int n, int t, int s) const {
     switch (c.bias) {
@@ -254,6 +273,7 @@ struct Problem {
     o_exact.assign(o.size(), 0.0);
     delta_in.assign(size_t(B) * N * T, 0.f);
     centre.assign(c.traced_scale ? size_t(B) * N * T : 0, 0.f);
+    mean_key.assign(c.dslope ? size_t(B) * N * T : 0, 0.f);
     std::vector<double> prob(S);
     for (int b = 0; b < B; ++b)
       for (int n = 0; n < N; ++n) {
@@ -275,6 +295,11 @@ struct Problem {
           double delta = -dlse[row_index(b, n, t)];
           for (int h = 0; h < H; ++h) delta += d_o.val[q_index(b, n, t, h)] * o_exact[q_index(b, n, t, h)];
           delta_in[row_index(b, n, t)] = static_cast<float>(delta);
+          if (c.dslope) {
+            double e = 0;
+            for (int s = 0; s < S; ++s) e += prob[s] * s;
+            mean_key[row_index(b, n, t)] = static_cast<float>(e);
+          }
           if (c.traced_scale) {
             double e = 0;
             for (int s = 0; s < S; ++s)
@@ -393,6 +418,13 @@ struct Problem {
       d_centre = std::make_unique<DeviceBuffer>(centre.data(), centre.size() * 4);  // delta's layout
       set_view(p.dscale_centre, d_centre->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
     }
+    if (c.dslope) {  // dalibi: delta's instance axes, a row per key (BNS); its centre as delta
+      p.flags |= jaxflash::kHasDalibi;
+      d_dalibi = std::make_unique<DeviceBuffer>(size_t(B) * N * S * 4);
+      set_view(p.dalibi, d_dalibi->ptr, int64_t(N) * S, int64_t(G) * S, S, 1, 0);
+      d_mean_key = std::make_unique<DeviceBuffer>(mean_key.data(), mean_key.size() * 4);
+      set_view(p.dalibi_centre, d_mean_key->ptr, int64_t(N) * T, int64_t(G) * T, T, 1, 0);
+    }
     if (dbias_n) {
       p.flags |= jaxflash::kHasDbias;
       d_dbias = std::make_unique<DeviceBuffer>(dbias_n * elem_bytes(bias.t));
@@ -425,7 +457,8 @@ struct Problem {
     p.inst_size[0] = 2, p.inst_size[1] = inner;
     for (ArrayView* view : {&p.scale_operand, &p.q, &p.k, &p.v, &p.bias, &p.mask, &p.q_lens, &p.kv_lens, &p.seed,
                             &p.q_segment_ids, &p.kv_segment_ids, &p.alibi_slopes, &p.o, &p.lse, &p.d_o, &p.delta,
-                            &p.dq, &p.dk, &p.dv, &p.dbias, &p.dalibi, &p.dscale, &p.dscale_centre}) {
+                            &p.dq, &p.dk, &p.dv, &p.dbias, &p.dalibi, &p.dscale, &p.dscale_centre,
+                            &p.dalibi_centre}) {
       for (int d = p.num_inst_dims; d > 0; --d) view->inst_stride[d] = view->inst_stride[d - 1];
       view->inst_stride[0] = view->inst_stride[1] * inner;
     }
@@ -435,7 +468,8 @@ struct Problem {
   // One backward call on garbage-filled outputs and workspace (the workspace
   // starts 8 bytes into its allocation: any alignment must work).
   void run() {
-    for (DeviceBuffer* d : {d_dq.get(), d_dk.get(), d_dv.get(), d_dbias.get(), d_dscale.get(), d_ws.get()})
+    for (DeviceBuffer* d : {d_dq.get(), d_dk.get(), d_dv.get(), d_dbias.get(), d_dscale.get(), d_dalibi.get(),
+                            d_ws.get()})
       if (d) CHECK_CUDA(cudaMemset(d->ptr, 0xFF, d->bytes));
     CHECK_CUDA(jaxflash::gpu::launch_backward(p, static_cast<char*>(d_ws->ptr) + 8, nullptr));
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -475,6 +509,8 @@ bool run_case(const Case& c, std::mt19937& rng) {
   if (pr.dbias_n) pr.d_dbias->download(dbias.bits.data());
   std::vector<float> dscale(c.traced_scale ? size_t(B) * S * K : 0);
   if (c.traced_scale) pr.d_dscale->download(dscale.data());
+  std::vector<float> dalibi(c.dslope ? size_t(B) * N * S : 0);
+  if (c.dslope) pr.d_dalibi->download(dalibi.data());
   // The kernel's dq with a traced scale is that of the scaled query: scale it as jaxflash/attention.py does.
   const double dq_factor = c.traced_scale ? pr.p.scale : 1.0;
 
@@ -483,6 +519,10 @@ bool run_case(const Case& c, std::mt19937& rng) {
   std::vector<double> rdbias(pr.dbias_n, 0.0);
   // dscale per kv instance (b, kh): Σ dS·(q·k), and Σ |dS·(q·k)|, the size of the terms it cancels from.
   std::vector<double> rdscale(size_t(B) * K, 0.0), dscale_terms(size_t(B) * K, 0.0);
+  // ALiBi: per key row (b, n, s) -Σ_t dS·(|d| - C_t) and the size of its terms Σ_t |dS·(|d| - C_t)|;
+  // per query head (b, n) the slope's gradient -Σ dS·|d| and Σ |dS·|d||.
+  std::vector<double> rdalibi(c.dslope ? size_t(B) * N * S : 0, 0.0), dalibi_terms(rdalibi.size(), 0.0);
+  std::vector<double> rdslope(size_t(B) * N, 0.0), dslope_terms(size_t(B) * N, 0.0);
   std::vector<double> prob(S), ds(S);
   for (int b = 0; b < B; ++b)
     for (int n = 0; n < N; ++n) {
@@ -512,6 +552,14 @@ bool run_case(const Case& c, std::mt19937& rng) {
             rdv[pr.kv_index(b, kh, s, h)] += prob[s] * pr.d_o.val[pr.q_index(b, n, t, h)];
           }
           if (pr.dbias_n) rdbias[pr.bias_index(b, n, t, s)] += ds[s];
+          if (c.dslope) {  // dS of the logit, as dbias takes it (ALiBi is added after the cap)
+            const double distance = std::fabs(double(s - t - pr.bounds(b).offset));
+            const double centred = ds[s] * (distance - pr.alibi_centre(b, n, t));
+            rdalibi[pr.dalibi_index(b, n, s)] -= centred;
+            dalibi_terms[pr.dalibi_index(b, n, s)] += std::fabs(centred);
+            rdslope[size_t(b) * N + n] -= ds[s] * distance;
+            dslope_terms[size_t(b) * N + n] += std::fabs(ds[s] * distance);
+          }
         }
       }
     }
@@ -573,21 +621,48 @@ bool run_case(const Case& c, std::mt19937& rng) {
       dscale_err = std::max(dscale_err, std::fabs(sum - rdscale[i]) / std::max(dscale_terms[i], 1e-3));
     }
   const double dscale_tol = c.dtype == DType::kF32 && !c.exact ? 2e-3 : 1e-4;
+  // dalibi: every element written (finite: the outputs start as NaN), each key row's value against
+  // the reference's with the same centre, held to the size of the terms it sums (fewer terms than
+  // dscale's sum, so a looser bar: it is there to catch a row, head or centre mixed up, which is off
+  // by the terms' size); and per query head the rows' sum plus Σ C·dlse over the rows that see a key
+  // (what jaxflash/attention.py adds back) against -Σ dS·|d|, the slope's gradient, at dscale's bar.
+  const double dalibi_row_tol = c.dtype == DType::kF32 && !c.exact ? 2e-2 : 1e-3;
+  double dalibi_err = 0, dslope_err = 0;
+  int64_t dalibi_bad = 0;
+  for (int b = 0; c.dslope && b < B; ++b)
+    for (int n = 0; n < N; ++n) {
+      double sum = 0;
+      for (int s = 0; s < S; ++s) {
+        const size_t i = pr.dalibi_index(b, n, s);
+        dalibi_bad += !std::isfinite(dalibi[i]);
+        sum += dalibi[i];
+        dalibi_err = std::max(dalibi_err, std::fabs(dalibi[i] - rdalibi[i]) / std::max(dalibi_terms[i], 1e-3));
+      }
+      for (int t = 0; t < T; ++t)
+        if (!std::isinf(pr.lse[2 * pr.row_index(b, n, t)]))  // a row that sees a key
+          sum -= double(pr.alibi_centre(b, n, t)) * pr.dlse[pr.row_index(b, n, t)];
+      const size_t i = size_t(b) * N + n;
+      dslope_err = std::max(dslope_err, std::fabs(sum - rdslope[i]) / std::max(dslope_terms[i], 1e-3));
+    }
 
   const double tol = c.dtype == DType::kBF16 ? 3e-2 : 1e-2;
   auto close = [&](const ErrStat& e) { return c.exact ? e.ok_fp32() : e.ok(tol); };
   const bool ok = close(e_dq) && close(e_dk) && close(e_dv) && (pr.dbias_n == 0 || close(e_db)) && bad_pad == 0 &&
-                  bad_zero == 0 && dscale_bad == 0 && dscale_err <= dscale_tol;
+                  bad_zero == 0 && dscale_bad == 0 && dscale_err <= dscale_tol && dalibi_bad == 0 &&
+                  dalibi_err <= dalibi_row_tol && dslope_err <= dscale_tol;
   std::printf("%-4s %-58s rel err dq %.1e dk %.1e dv %.1e", ok ? "PASS" : "FAIL", c.name.c_str(),
               e_dq.max_err / std::max(e_dq.max_ref, 1e-3), e_dk.max_err / std::max(e_dk.max_ref, 1e-3),
               e_dv.max_err / std::max(e_dv.max_ref, 1e-3));
   if (pr.dbias_n) std::printf(" dbias %.1e", e_db.max_err / std::max(e_db.max_ref, 1e-3));
   if (c.traced_scale) std::printf(" dscale %.1e of its terms (tol %.0e)", dscale_err, dscale_tol);
+  if (c.dslope)
+    std::printf(" dalibi rows %.1e (tol %.0e), dslope %.1e (tol %.0e) of their terms", dalibi_err, dalibi_row_tol,
+                dslope_err, dscale_tol);
   if (c.exact)
     std::printf(" (tol 2e-05 x max(1, max|ref|))");
   else
     std::printf(" (tol %.0e)", tol);
-  const int64_t bad = e_dq.bad + e_dk.bad + e_dv.bad + e_db.bad + dscale_bad;
+  const int64_t bad = e_dq.bad + e_dk.bad + e_dv.bad + e_db.bad + dscale_bad + dalibi_bad;
   if (bad || bad_pad || bad_zero)
     std::printf("  non-finite %lld, pad writes %lld, nonzero-where-zero %lld", (long long)bad, (long long)bad_pad,
                 (long long)bad_zero);
@@ -595,7 +670,7 @@ bool run_case(const Case& c, std::mt19937& rng) {
   return ok;
 }
 
-// Runs a case `repeats` times and compares dq, dk, dv, dbias, dscale bit for bit.
+// Runs a case `repeats` times and compares dq, dk, dv, dbias, dscale, dalibi bit for bit.
 bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   Problem pr(c, rng);
   pr.upload();
@@ -604,7 +679,8 @@ bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   for (int rep = 0; rep < repeats && same; ++rep) {
     pr.run();
     std::vector<std::vector<uint8_t>> outs;
-    for (DeviceBuffer* d : {pr.d_dq.get(), pr.d_dk.get(), pr.d_dv.get(), pr.d_dbias.get(), pr.d_dscale.get()}) {
+    for (DeviceBuffer* d :
+         {pr.d_dq.get(), pr.d_dk.get(), pr.d_dv.get(), pr.d_dbias.get(), pr.d_dscale.get(), pr.d_dalibi.get()}) {
       if (!d) continue;
       outs.emplace_back(d->bytes);
       d->download(outs.back().data());
@@ -847,6 +923,43 @@ int main(int argc, char** argv) {
       traced(with_softcap({"bf16 softcap 3 + dlse GQA T100 S150 H64", bf16, 2, 4, 2, 100, 150, 64, kUnb, kUnb, false,
                            Bias::kNone, false, Mask::kNone, false, true},
                           3.f)),
+      // ALiBi's slope gradient (dalibi, the general variant's copies that run ALiBi, on Hopper
+      // too): causal and not, T < S and T > S, GQA (each query head's rows its own), lengths with
+      // an instance that sees no key and the bottom-right diagonal (the centre's offset), windows,
+      // dlse (the centre's share added back), the soft-cap copy (dS taken before the cap's slope),
+      // segment ids (the copy for ids and a soft-cap, cap off or on; instances skipped whole get
+      // zeros), the S grid's 8 / 16 / 32 key columns per warp (f32 D = 256 / 96, 16-bit), a bias
+      // and a mask, NaN padding, four instance axes and a traced scale alongside.
+      dslope({"bf16 causal T150 S230 H128", bf16, 2, 2, 2, 150, 230, 128, kUnb, 0}),
+      dslope({"f16 T203 S113 H64 + dlse", f16, 2, 3, 3, 203, 113, 64, kUnb, kUnb, false, Bias::kNone, false,
+              Mask::kNone, false, true}),
+      dslope({"bf16 lens bottom-right causal GQA N4 K2 T90 S140 H128 + dlse", bf16, 3, 4, 2, 90, 140, 128, kUnb, 0,
+              true, Bias::kNone, false, Mask::kNone, true, true}),
+      dslope({"f16 lens bottom-right window (40, 8) GQA N2 K1 T260 S180 H64", f16, 3, 2, 1, 260, 180, 64, 40, 8, true,
+              Bias::kNone, false, Mask::kNone, true}),
+      dslope(with_softcap({"bf16 softcap 2 T160 S160 H64 + dlse", bf16, 1, 2, 2, 160, 160, 64, kUnb, kUnb, false,
+                           Bias::kNone, false, Mask::kNone, false, true},
+                          2.f)),
+      dslope(with_softcap(with_segments({"bf16 softcap 3 + segments docs causal GQA N4 K2 T300 S300 H128", bf16, 2, 4,
+                                         2, 300, 300, 128, kUnb, 0},
+                                        Segments::kDocs),
+                          3.f)),
+      dslope(with_segments({"f16 segments tile docs T320 S448 H128", f16, 2, 2, 2, 320, 448, 128},
+                           Segments::kTileDocs)),
+      dslope({"f32 causal GQA N4 K2 T100 S150 H64", f32, 2, 4, 2, 100, 150, 64, kUnb, 0}),
+      dslope(exact({"f32 T77 S130 H72 GQA", f32, 2, 4, 2, 77, 130, 72})),
+      dslope({"f32 T40 S70 H256 mask + bias f32 + dbias", f32, 2, 2, 2, 40, 70, 256, kUnb, kUnb, false,
+              Bias::kFullF32, true, Mask::kRandom}),
+      dslope({"f16 BNTH T130 S257 H200 (D256) causal", f16, 1, 2, 2, 130, 257, 200, kUnb, 0, false, Bias::kNone,
+              false, Mask::kNone, false, false, Layout::kBNTH}),
+      dslope({"bf16 T1 S37 H128", bf16, 2, 2, 2, 1, 37, 128}),
+      dslope({"f16 T37 S1 H32 + dlse", f16, 2, 2, 1, 37, 1, 32, kUnb, kUnb, false, Bias::kNone, false, Mask::kNone,
+              false, true}),
+      dslope(nan_padded({"f16 lens causal GQA N4 K2 T260 S200 H64", f16, 3, 4, 2, 260, 200, 64, kUnb, 0, false,
+                         Bias::kNone, false, Mask::kNone, true})),
+      dslope(four_axes({"bf16 causal GQA N4 K2 T150 S150 H64", bf16, 4, 4, 2, 150, 150, 64, kUnb, 0})),
+      traced(dslope({"bf16 GQA N8 K2 causal lens T100 S150 H128 + dlse", bf16, 3, 8, 2, 100, 150, 128, kUnb, 0,
+                     false, Bias::kNone, false, Mask::kNone, true, true})),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
@@ -875,6 +988,8 @@ int main(int argc, char** argv) {
                                             Segments::kDocs),
                               4.f)),
       traced({"bf16 causal GQA N8 K2 T1000 S1000 H128", bf16, 2, 8, 2, 1000, 1000, 128, kUnb, 0}),
+      // dalibi's fixed-order sums (lanes, warps, Q tiles, the GQA group's heads).
+      dslope({"bf16 causal GQA N8 K2 T1000 S1000 H128", bf16, 2, 8, 2, 1000, 1000, 128, kUnb, 0}),
       // The sm_90 backward at D = 64 (BLOCK_M 128), its producer crossing GQA instances.
       nan_padded({"bf16 lens causal GQA N8 K2 T1500 S1500 H64", bf16, 3, 8, 2, 1500, 1500, 64, kUnb, 0, false,
                   Bias::kNone, false, Mask::kNone, true}),
