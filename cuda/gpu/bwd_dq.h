@@ -43,10 +43,11 @@
 // The sm_90 kernel hands the protocol to one writer thread (add_dq_tile): its
 // consumer warpgroups stage the whole dQ tile in shared memory and go on, and
 // the writer adds it with one bulk reduction in the tile's turn, counted on
-// the tile's first semaphore alone. The argument holds with the writer in the
-// warps' place: it waits for other CTAs only in its spin, and otherwise for
-// its own consumers, who wait for nothing outside the CTA but the writer's
-// release of a stage, which it gives before its next spin.
+// the tile's first semaphore alone, and signals the turn at once. The argument
+// holds with the writer in the warps' place: it waits for other CTAs only in
+// its spin, holding no unsignalled turn, and otherwise for its own consumers,
+// who wait for nothing outside the CTA but the writer's release of a stage,
+// which it gives before its next spin.
 #pragma once
 
 #include <cstdint>
@@ -165,13 +166,17 @@ __device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
 // The sm_90 writer's turn for one dQ tile (bwd_sm90_kernel.h), by a single
 // thread: `stage` holds the CTA's partial of the whole tile (the consumers
 // staged it in the accumulator's layout), `tile` is its block of the
-// accumulator. Signals the previous turn, waits for this one (semaphore `sem`
-// reaching `target`), adds with one bulk reduction, and releases the stage
-// (`stage_empty`) once the reduction has read it. The signal waits for the
-// next turn (or flush_dq_turn), by when the add has landed.
+// accumulator. Waits for the turn (semaphore `sem` reaching `target`), adds
+// with one bulk reduction, releases the stage (`stage_empty`) once the
+// reduction has read it, and signals the turn as soon as the add has landed.
+// Unlike the warps' turns above, the signal is not deferred: the writer has
+// nothing else to do while the reduction completes (its consumers got their
+// stage back already), and deferring it to the next tile's turn held the next
+// key tile's writer back by a whole tile of the consumers' compute, a lag that
+// each key tile of an instance in flight added to the one before it
+// (docs/DESIGN.md, the dQ writer).
 __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int bytes, int* sem, int target,
-                                            int*& pending, uint64_t* stage_empty) {
-  flush_dq_turn(pending, 0);
+                                            uint64_t* stage_empty) {
   spin_until(sem, target);
   fence_proxy_async_global();
   if (target == 0) bulk_store_f32(tile, stage, bytes);
@@ -179,7 +184,9 @@ __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int
   bulk_commit();
   bulk_wait_reads();
   mbar_arrive_if(stage_empty, true);
-  pending = sem;
+  bulk_wait_all();
+  fence_proxy_async_global();
+  red_release_gpu(sem, 1);
 }
 
 }  // namespace jaxflash::gpu

@@ -207,10 +207,9 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
                                                int64_t key_tile, const float* stages, const DqTurn* turns,
                                                uint64_t* full, uint64_t* empty) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
-  int* pending = nullptr;
   auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
     add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
-                rt.sems + tile * Cfg::kDq.warps, target, pending, empty + stage.index);
+                rt.sems + tile * Cfg::kDq.warps, target, empty + stage.index);
   };
   if constexpr (Cfg::kSegmentIds) {
 #pragma unroll 1
@@ -237,7 +236,6 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
       }
     }
   }
-  flush_dq_turn(pending, 0);
 }
 
 template <class Cfg>
