@@ -10,6 +10,8 @@
 #   scripts/profile_kernel.sh fwd 128 4096 causal ncu      ... and its Nsight Compute profile
 #   scripts/profile_kernel.sh bwd 128 4096 full split      ... and each kernel's share of one call
 #                                                          (memset, pre-pass, main, post-pass)
+#   scripts/profile_kernel.sh bwd 128 1024 full timeline   ... and where the sm_90 backward's CTAs
+#                                                          spend their lives (cuda/gpu/timeline.h)
 set -euo pipefail
 DIRECTION=${1:?usage: $0 fwd|bwd [D N causal|full [ncu]]}
 shift
@@ -20,6 +22,10 @@ case "$DIRECTION" in
 esac
 OUT=${OUT:-/tmp/jaxflash_out}
 BUILD=${BUILD:-/tmp/kernel_profile}  # EXTRA_FLAGS: more nvcc flags, e.g. -DJAXFLASH_BWD_NO_BULK
+if [ "${4:-}" = timeline ]; then  # a build of its own: the stamps are compiled in
+  EXTRA_FLAGS="${EXTRA_FLAGS:-} -DJAXFLASH_BWD_TIMELINE"
+  BUILD=$BUILD.timeline
+fi
 mkdir -p "$OUT" "$BUILD"
 cd "$(dirname "$0")/.."
 # RelWithDebInfo: -lineinfo, so that Nsight Compute maps the profile to source lines.

@@ -24,6 +24,7 @@
 #include "bwd_kernel_traits.h"
 #include "instance.h"
 #include "segment_tile_ranges.h"
+#include "timeline.h"
 #include "tma_encode.h"
 
 namespace jaxflash::gpu {
@@ -190,6 +191,13 @@ int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_
       .total_bytes;
 }
 
+#ifdef JAXFLASH_BWD_TIMELINE
+unsigned long long*& bwd_timeline_buffer() {
+  static unsigned long long* buffer = nullptr;
+  return buffer;
+}
+#endif
+
 cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const int elem_bytes = dtype_bytes(p.dtype);
   if (elem_bytes == 0) return cudaErrorInvalidValue;
@@ -248,6 +256,14 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.dk_vec = rows_aligned(p, p.dk, elem_bytes);
   rt.dv_vec = rows_aligned(p, p.dv, elem_bytes);
   rt.counter = reinterpret_cast<int*>(base);
+#ifdef JAXFLASH_BWD_TIMELINE
+  unsigned long long*& timeline = bwd_timeline_buffer();
+  constexpr size_t kTimelineBytes = sizeof(unsigned long long) * kTlCtas * kTlEvents;
+  if (timeline == nullptr)
+    if (const cudaError_t e = cudaMalloc(&timeline, kTimelineBytes); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaMemsetAsync(timeline, 0, kTimelineBytes, stream); e != cudaSuccess) return e;
+  rt.timeline = timeline;
+#endif
   rt.sems = reinterpret_cast<int*>(base + w.sems_off);
   rt.dq_acc = reinterpret_cast<float*>(base + w.dq_acc_off);
   rt.lse2 = reinterpret_cast<float*>(base + w.lse2_off);

@@ -34,4 +34,10 @@ int64_t backward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_
 // cudaGetLastError() after the launches.
 cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
+#ifdef JAXFLASH_BWD_TIMELINE
+// The sm_90 backward's event times of the last launch (timeline.h): kTlCtas x kTlEvents
+// stamps on the device, allocated at the first launch (profiling builds only).
+unsigned long long*& bwd_timeline_buffer();
+#endif
+
 }  // namespace jaxflash::gpu

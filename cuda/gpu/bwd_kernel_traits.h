@@ -142,6 +142,9 @@ struct BwdRuntime {
 
   // Workspace (see BwdWorkspaceLayout).
   int* counter;
+#ifdef JAXFLASH_BWD_TIMELINE
+  unsigned long long* timeline;  // timeline.h
+#endif
   int* sems;
   float* dq_acc;
   float* lse2;

@@ -11,6 +11,7 @@
 #include "primitives/smem_tile.h"
 #include "primitives/tma.h"
 #include "primitives/warp_gemm.h"
+#include "timeline.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
@@ -104,9 +105,11 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const BwdR
   const int lane = tid % 32;
   cp_async_wait<0>();
   named_sync(kBarrier, kThreads);
+  if (tid == 0) JF_TIMELINE_NOW(rt, kTlEpiSynced);
   store_frags<T>(sK, dk, frag_row0, frag_col0, rt.scale, lane);
   store_frags<T>(sV, dv, frag_row0, frag_col0, rt.dv_scale, lane);
   named_sync(kBarrier, kThreads);
+  if (tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStaged);
   const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
   const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
   const int head_dim = static_cast<int>(p.head_dim);

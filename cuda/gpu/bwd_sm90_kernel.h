@@ -84,6 +84,7 @@
 #include "bwd_scores.h"
 #include "bwd_sm90_loads.h"
 #include "instance.h"
+#include "timeline.h"
 #include "primitives/alibi.h"
 #include "primitives/smem_tile.h"
 #include "primitives/tma.h"
@@ -269,7 +270,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     stages.init_barriers();
     mbar_init_fence();
   }
+  if (threadIdx.x == 0) JF_TIMELINE_NOW(rt, kTlStart);
   const KeyTileTicket ticket = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
+#ifdef JAXFLASH_BWD_TIMELINE
+  if (threadIdx.x == 0) {
+    JF_TIMELINE(rt, kTlTicket, static_cast<unsigned long long>(ticket.kept) << 20 | ticket.key_tile);
+    JF_TIMELINE(rt, kTlSm, smid());
+  }
+#endif
   // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
   const int64_t kept = ticket.kept, key_tile = ticket.key_tile;
   if (warpgroup == 0) {  // warp 0 the producer, warp 1's first thread the dQ writer
@@ -279,7 +287,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // bytes of the 24 registers.
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
     if (warp == 0) load_q_tiles<Cfg>(p, rt, stages, kept, key_tile, threadIdx.x);
-    else if (threadIdx.x == 32) write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_turns, dq_full, dq_empty);
+    else if (threadIdx.x == 32) {
+      write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_turns, dq_full, dq_empty);
+      JF_TIMELINE_NOW(rt, kTlWriterDone);
+    }
     return;
   }
   regs_acquire<Cfg::kConsumerRegs>();
@@ -365,6 +376,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                      static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);
     cp_async_commit();
     cp_async_wait<0>();  // (visible to the other threads after the first tile's barrier)
+    if (tid == 0 && q_tile_n == 0) JF_TIMELINE_NOW(rt, kTlKvLoaded);
 
 #pragma unroll 1
     for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, ++q_tile_n) {
@@ -372,6 +384,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       i_next = visit_from(i + 1);
       const Stage<2> stage(q_tile_n);
       mbar_wait(stages.full(stage.index), stage.parity);
+      if (tid == 0 && q_tile_n == 0) JF_TIMELINE_NOW(rt, kTlFirstQ);
       const QTile sQ = stages.q(stage.index), sdO = stages.d_o(stage.index);
       // Rows [q_len, T) of the tile hold the tensor's padding, which may be anything,
       // NaN included: zeros, as the cp.async copies' zero fill gave (rows past T the
@@ -544,7 +557,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if constexpr (kIds) hand_over(DqTurn{-1, 0}, [](float*) {});  // the end of the turns
   hold_acc(dk);
   hold_acc(dv);
+  if (tid == 0) JF_TIMELINE_NOW(rt, kTlLoopDone);
   store_dk_dv<kThreads, BN, T, Cfg::kConsumerBarrier>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);
+  if (tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStored);
 #else
   (void)p, (void)rt;
 #endif

@@ -37,12 +37,14 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../backward.h"
+#include "../timeline.h"
 #include "selftest_util.h"
 
 namespace {
@@ -693,6 +695,45 @@ bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
   return same;
 }
 
+#ifdef JAXFLASH_BWD_TIMELINE
+// Where the last launch's CTAs spent their lives (timeline.h), in us per CTA: the phases
+// between consumer 0's events, the dQ writer's drain after the dK / dV stores were issued
+// (negative: done before), and each SM's idle time between one CTA's end and the next's start.
+void timeline_report() {
+  using namespace jaxflash::gpu;
+  std::vector<unsigned long long> t(size_t(kTlCtas) * kTlEvents);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpy(t.data(), bwd_timeline_buffer(), t.size() * sizeof(t[0]), cudaMemcpyDeviceToHost));
+  auto at = [&](int c, int e) { return double(t[size_t(c) * kTlEvents + e]); };
+  const int phases[] = {kTlStart, kTlKvLoaded, kTlFirstQ, kTlLoopDone, kTlEpiSynced, kTlEpiStaged, kTlEpiStored};
+  const char* names[] = {"K/V load", "first Q", "Q-tile loop", "epilogue barrier", "dK/dV to smem", "dK/dV stores"};
+  double sum[6] = {}, drain = 0, life = 0, first = 1e300, last = 0;
+  std::map<int, std::vector<std::pair<double, double>>> by_sm;  // (start, end) per SM
+  int n = 0;
+  for (int c = 0; c < kTlCtas; ++c) {
+    // (A CTA whose keys no query sees stamps only its start.)
+    if (at(c, kTlStart) == 0 || at(c, kTlFirstQ) == 0 || at(c, kTlEpiStored) == 0) continue;
+    ++n;
+    for (int k = 0; k < 6; ++k) sum[k] += at(c, phases[k + 1]) - at(c, phases[k]);
+    const double end = std::max(at(c, kTlEpiStored), at(c, kTlWriterDone));
+    drain += at(c, kTlWriterDone) - at(c, kTlEpiStored);
+    life += end - at(c, kTlStart);
+    first = std::min(first, at(c, kTlStart)), last = std::max(last, end);
+    by_sm[int(at(c, kTlSm))].push_back({at(c, kTlStart), end});
+  }
+  if (n == 0) return;  // not the sm_90 kernel
+  double gaps = 0;
+  for (auto& [sm, lives] : by_sm) {
+    std::sort(lives.begin(), lives.end());
+    for (size_t k = 1; k < lives.size(); ++k) gaps += lives[k].first - lives[k - 1].second;
+  }
+  std::printf("    timeline: %d CTAs on %zu SMs over %.1f us; per CTA (us): life %.2f =", n, by_sm.size(),
+              (last - first) / 1e3, life / n / 1e3);
+  for (int k = 0; k < 6; ++k) std::printf("%s %s %.2f", k ? " +" : "", names[k], sum[k] / n / 1e3);
+  std::printf(" + writer drain %.2f; SM idle between CTAs %.2f\n", drain / n / 1e3, gaps / n / 1e3);
+}
+#endif
+
 void bench(const BenchFilter& only) {
   std::printf("\nbf16 backward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
   for (int H : {64, 128})
@@ -744,6 +785,10 @@ void bench(const BenchFilter& only) {
         const double flops = 10.0 * B * N * double(L) * L * H / (causal ? 2 : 1);  // 2.5x the forward
         std::printf("  H=%3d %-6s N=%5d  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L, ms,
                     flops / ms / 1e9);
+#ifdef JAXFLASH_BWD_TIMELINE
+        CHECK_CUDA(jaxflash::gpu::launch_backward(p, ws.ptr, nullptr));  // alone: its CTAs' stamps
+        timeline_report();
+#endif
         CHECK_CUDA(cudaEventDestroy(start));
         CHECK_CUDA(cudaEventDestroy(stop));
       }
