@@ -371,6 +371,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // waited for its own before its last barrier); this one orders them
     // before the loads below overwrite their operands.
     named_sync(Cfg::kConsumerBarrier, kThreads);
+    if (tid == 0 && q_tile_n == 0) JF_TIMELINE_NOW(rt, kTlKvIssue);
     resident.template load<kThreads>(sK, sV, p, inst.origin<const T>(p, p.k) + n0 * p.k.row_stride,
                                      inst.origin<const T>(p, p.v) + n0 * p.v.row_stride,
                                      static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);

@@ -705,16 +705,19 @@ void timeline_report() {
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(cudaMemcpy(t.data(), bwd_timeline_buffer(), t.size() * sizeof(t[0]), cudaMemcpyDeviceToHost));
   auto at = [&](int c, int e) { return double(t[size_t(c) * kTlEvents + e]); };
-  const int phases[] = {kTlStart, kTlKvLoaded, kTlFirstQ, kTlLoopDone, kTlEpiSynced, kTlEpiStaged, kTlEpiStored};
-  const char* names[] = {"K/V load", "first Q", "Q-tile loop", "epilogue barrier", "dK/dV to smem", "dK/dV stores"};
-  double sum[6] = {}, drain = 0, life = 0, first = 1e300, last = 0;
+  constexpr int kPhases = 7;
+  const int phases[kPhases + 1] = {kTlStart,    kTlKvIssue,   kTlKvLoaded,  kTlFirstQ,
+                                   kTlLoopDone, kTlEpiSynced, kTlEpiStaged, kTlEpiStored};
+  const char* names[kPhases] = {"setup",        "K/V load",         "first Q",      "Q-tile loop",
+                                "epilogue barrier", "dK/dV to smem", "dK/dV stores"};
+  double sum[kPhases] = {}, drain = 0, life = 0, first = 1e300, last = 0;
   std::map<int, std::vector<std::pair<double, double>>> by_sm;  // (start, end) per SM
   int n = 0;
   for (int c = 0; c < kTlCtas; ++c) {
     // (A CTA whose keys no query sees stamps only its start.)
     if (at(c, kTlStart) == 0 || at(c, kTlFirstQ) == 0 || at(c, kTlEpiStored) == 0) continue;
     ++n;
-    for (int k = 0; k < 6; ++k) sum[k] += at(c, phases[k + 1]) - at(c, phases[k]);
+    for (int k = 0; k < kPhases; ++k) sum[k] += at(c, phases[k + 1]) - at(c, phases[k]);
     const double end = std::max(at(c, kTlEpiStored), at(c, kTlWriterDone));
     drain += at(c, kTlWriterDone) - at(c, kTlEpiStored);
     life += end - at(c, kTlStart);
@@ -729,7 +732,7 @@ void timeline_report() {
   }
   std::printf("    timeline: %d CTAs on %zu SMs over %.1f us; per CTA (us): life %.2f =", n, by_sm.size(),
               (last - first) / 1e3, life / n / 1e3);
-  for (int k = 0; k < 6; ++k) std::printf("%s %s %.2f", k ? " +" : "", names[k], sum[k] / n / 1e3);
+  for (int k = 0; k < kPhases; ++k) std::printf("%s %s %.2f", k ? " +" : "", names[k], sum[k] / n / 1e3);
   std::printf(" + writer drain %.2f; SM idle between CTAs %.2f\n", drain / n / 1e3, gaps / n / 1e3);
 }
 #endif
