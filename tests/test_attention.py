@@ -724,26 +724,37 @@ def test_only_a_traced_scale_becomes_an_operand(backend):
   assert len(found) == 2 and all(f & Flag.SCALE_OPERAND for f in found), found
 
 
-def test_dscale_centre_forward_only_when_differentiated(backend):
-  """The rows' centre of a traced scale's gradient (jaxflash/attention.py, _dscale_centre) costs
-  one more forward call, attention(q, k, v=k) in float32 without dropout, only when the scale
-  is differentiated (with a soft-cap too). The backward then carries HAS_DSCALE."""
+# (operand keyword, its value, the gradient's flag, the flag its forwards carry): a traced scale's
+# centre (jaxflash/attention.py, _dscale_centre), and the ALiBi slopes' (_mean_keys).
+_CENTRED_GRADIENTS = {
+    "dscale": ("scale", jnp.float32(0.3), Flag.HAS_DSCALE, Flag.SCALE_OPERAND),
+    "dalibi": ("alibi_slopes", jnp.array([0.5, 0.25], jnp.float32), Flag.HAS_DALIBI, Flag.HAS_ALIBI),
+}
+
+
+@pytest.mark.parametrize("gradient", sorted(_CENTRED_GRADIENTS))
+def test_centre_forward_only_when_differentiated(backend, gradient):
+  """The rows' centres of a traced scale's gradient and of the ALiBi slopes' cost one more
+  forward call (attention(q, k, v=k), or v = the key positions, in float32 without dropout) only
+  when that operand is differentiated (with a soft-cap too). The backward then carries the
+  gradient's flag (HAS_DSCALE, HAS_DALIBI)."""
+  keyword, value, wanted, forward_flag = _CENTRED_GRADIENTS[gradient]
   q = jnp.ones((1, 8, 2, 16), jnp.float32)
   rng = jax.random.key(0)
 
   def flags(argnums, **kwargs):  # of every jaxflash call in the lowered gradient
-    f = lambda q, s: jnp.sum(jaxflash.attention(q, q, q, scale=s, **kwargs))
-    text = jax.jit(jax.grad(f, argnums=argnums)).lower(q, jnp.float32(0.3)).as_text()
+    f = lambda q, x: jnp.sum(jaxflash.attention(q, q, q, **{keyword: x}, **kwargs))
+    text = jax.jit(jax.grad(f, argnums=argnums)).lower(q, value).as_text()
     return [int(f) for f in re.findall(r"flags = (\d+)", text)]
 
-  found = flags(0)  # q only: no dscale, no centre
-  assert len(found) == 2 and not any(f & Flag.HAS_DSCALE for f in found), found
+  found = flags(0)  # q only: no gradient of the operand, no centre
+  assert len(found) == 2 and not any(f & wanted for f in found), found
   for kwargs in (dict(dropout_rate=0.2, dropout_rng=rng), dict(logits_soft_cap=2.0)):
     found = flags((0, 1), **kwargs)
     assert len(found) == 3, (kwargs, found)
-    assert sum(bool(f & Flag.HAS_DSCALE) for f in found) == 1, (kwargs, found)
-    forwards = [f for f in found if not f & Flag.HAS_DSCALE]  # the training one's and the centre's
-    assert all(f & Flag.OUTPUT_F32 and f & Flag.SCALE_OPERAND for f in forwards), (kwargs, found)
+    assert sum(bool(f & wanted) for f in found) == 1, (kwargs, found)
+    forwards = [f for f in found if not f & wanted]  # the training one's and the centre's
+    assert all(f & Flag.OUTPUT_F32 and f & forward_flag for f in forwards), (kwargs, found)
     assert sum(bool(f & Flag.DROPOUT) for f in forwards) == ("dropout_rate" in kwargs), (kwargs, found)
 
 
@@ -802,30 +813,6 @@ def test_dscale_centre_takes_out_the_delta_residue(monkeypatch, return_residual,
     assert abs(centred - exact) <= 1e-4 * max(1.0, abs(exact)) + 1e-3, (centred, exact)
   else:
     assert abs(centred - exact) <= 0.5 * abs(uncentred - exact), (centred, uncentred, exact)
-
-
-def test_dalibi_centre_forward_only_when_differentiated(backend):
-  """The rows' centres of the ALiBi slopes' gradient (jaxflash/attention.py, _mean_keys) cost one
-  more forward call, attention(q, k, v = key positions) in float32 without dropout, only when the
-  slopes are differentiated (with a soft-cap too). The backward then carries HAS_DALIBI."""
-  q = jnp.ones((1, 8, 2, 16), jnp.float32)
-  slopes = jnp.array([0.5, 0.25], jnp.float32)
-  rng = jax.random.key(0)
-
-  def flags(argnums, **kwargs):  # of every jaxflash call in the lowered gradient
-    f = lambda q, s: jnp.sum(jaxflash.attention(q, q, q, alibi_slopes=s, **kwargs))
-    text = jax.jit(jax.grad(f, argnums=argnums)).lower(q, slopes).as_text()
-    return [int(f) for f in re.findall(r"flags = (\d+)", text)]
-
-  found = flags(0)  # q only: no dalibi, no centre
-  assert len(found) == 2 and not any(f & Flag.HAS_DALIBI for f in found), found
-  for kwargs in (dict(dropout_rate=0.2, dropout_rng=rng), dict(logits_soft_cap=2.0)):
-    found = flags((0, 1), **kwargs)
-    assert len(found) == 3, (kwargs, found)
-    assert sum(bool(f & Flag.HAS_DALIBI) for f in found) == 1, (kwargs, found)
-    forwards = [f for f in found if not f & Flag.HAS_DALIBI]  # the training one's and the centre's
-    assert all(f & Flag.OUTPUT_F32 and f & Flag.HAS_ALIBI for f in forwards), (kwargs, found)
-    assert sum(bool(f & Flag.DROPOUT) for f in forwards) == ("dropout_rate" in kwargs), (kwargs, found)
 
 
 # Masks under which every visible key of a row lies on one side of its diagonal, where the kernels'
