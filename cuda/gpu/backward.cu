@@ -323,7 +323,9 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   if (rt.sm90) {
     const int block_m = bwd_sm90_block_m(d_pad);
     rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, block_m) &&
-              encode_tma_operand(rt.tma_do, p, p.d_o, p.seqlen_q, block_m);
+              encode_tma_operand(rt.tma_do, p, p.d_o, p.seqlen_q, block_m) &&
+              encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, kBwdSm90BlockN) &&
+              encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, kBwdSm90BlockN);
   }
   if (rt.sm90) rt.general = false;  // its tiles are the fast variant's (bwd_tile_size.h)
   rt.dq = rt.sm90 ? bwd_sm90_dq_grid(d_pad) : bwd_dq_grid(elem_bytes, d_pad);
@@ -331,10 +333,16 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.k_tiles = (p.seqlen_k + tiles.block_n - 1) / tiles.block_n;
   rt.kv_reduce_mask = kv_mask;
   rt.kv_kept = split_count(p, kv_mask, false);
+  rt.tickets = rt.kv_kept * rt.k_tiles;
   int sms = 0;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  rt.sms = sms;
   rt.ticket_group = std::clamp<int64_t>(sms / kBwdKeyTilesInFlight, 1, std::max<int64_t>(rt.kv_kept, 1));  // H100: 33
   rt.kv_reduced = split_count(p, kv_mask, true);
+  for (int d = 0; d < p.num_inst_dims; ++d)
+    if (kv_mask >> d & 1u)
+      rt.kv_per_instance |= p.k.inst_stride[d] != 0 || p.v.inst_stride[d] != 0 ||
+                            (p.kv_lens.data != nullptr && p.kv_lens.inst_stride[d] != 0);
   // Key tiles in descending order (bwd_key_tile.h) for causal-like bands (keys end at a
   // window's right edge), where a group's Q and dO fit in half of L2. Descending, the key
   // tiles of an instance in flight together sit at Q tiles far apart (the short last ones

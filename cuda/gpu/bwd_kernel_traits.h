@@ -156,6 +156,8 @@ struct BwdRuntime {
   bool general;   // the main kernel variant: bias, mask, dropout, score modifiers or unaligned q / k / v / dO rows
   bool sm90;      // the main kernel is the sm_90 (wgmma) one, bwd_sm90_kernel.h
   TmaOperand tma_q, tma_do;  // its producer's descriptors of q and dO (tma_encode.h), when sm90
+  TmaOperand tma_k, tma_v;   // and of k and v, in key tiles
+  int sms;                   // the device's SMs: the sm_90 kernel's persistent grid
 
   // The main kernel: one CTA per (kept instance, key tile of the variant's
   // BLOCK_N); it loops over the `kv_reduced` instances that share its dK / dV
@@ -163,6 +165,10 @@ struct BwdRuntime {
   // (always the general variant) uses the same key tiles.
   uint32_t kv_reduce_mask;
   int64_t kv_kept, kv_reduced, k_tiles;
+  int64_t tickets;       // kv_kept * k_tiles: the main kernel's work items (bwd_key_tile.h)
+  // The sm_90 kernel loads K / V for each instance of a kept one's group, not once per key
+  // tile: where k or v move along a reduced axis, or the key lengths do.
+  bool kv_per_instance;
   int64_t ticket_group;  // kept instances per group of tickets (bwd_key_tile.h)
   bool keys_descend;     // key tiles take tickets and dQ turns from the last down (bwd_key_tile.h)
 

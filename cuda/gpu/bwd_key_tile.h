@@ -11,7 +11,6 @@
 #include "primitives/smem_tile.h"
 #include "primitives/tma.h"
 #include "primitives/warp_gemm.h"
-#include "timeline.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
@@ -44,15 +43,26 @@ struct KeyTileTicket {
   int64_t key_tile;  // keys [key_tile * BLOCK_N, + BLOCK_N)
 };
 
+// Ticket `ticket` (below rt.tickets) as (kept instance, key tile), in the width of Index:
+// `int` where the tickets fit (the launchers check they do), whose divisions take a few
+// registers where the sm_90 producer has 24 (in 64 bits it spilled ~500 bytes).
+template <class Index>
+__device__ __forceinline__ KeyTileTicket decode_key_tile(const BwdRuntime& rt, Index ticket) {
+  const Index group_size = static_cast<Index>(rt.ticket_group), k_tiles = static_cast<Index>(rt.k_tiles);
+  const Index per_group = group_size * k_tiles;
+  const Index group = ticket / per_group, first = group * group_size, in_group = ticket - group * per_group;
+  const Index size = min(group_size, static_cast<Index>(rt.kv_kept) - first);  // the last group may be smaller
+  const Index nth = in_group / size;
+  return {first + in_group % size, rt.keys_descend ? k_tiles - 1 - nth : nth};
+}
+
+// The CTA's ticket, taken on entry (the mma.sync kernel: a CTA per ticket); its CTA barrier
+// also covers what thread 0 initialised before.
 __device__ __forceinline__ KeyTileTicket take_key_tile(const BwdRuntime& rt, int tid) {
   __shared__ int s_ticket;
   if (tid == 0) s_ticket = atomicAdd(rt.counter, 1);
   __syncthreads();
-  const int64_t ticket = s_ticket, per_group = rt.ticket_group * rt.k_tiles;
-  const int64_t group = ticket / per_group, first = group * rt.ticket_group, in_group = ticket - group * per_group;
-  const int64_t size = min(rt.ticket_group, rt.kv_kept - first);  // the last group may be smaller
-  const int64_t nth = in_group / size;
-  return {first + in_group % size, rt.keys_descend ? rt.k_tiles - 1 - nth : nth};
+  return decode_key_tile<int>(rt, s_ticket);
 }
 
 // Key tile `key_tile`'s dQ turn on Q tile i (rows [i BM, i BM + BM)) of instance
@@ -94,22 +104,20 @@ struct ResidentKv {
 // The epilogue: dK (x scale) and dV (x dv_scale) from the lanes' fragments,
 // whose block starts at (frag_row0, frag_col0) of the tile, to shared memory
 // as T (over K and V, no longer read), then whole rows to global memory. Keys
-// in [kv_len, S) are written too: their accumulators are 0. The kThreads
-// threads (tid below kThreads) meet at named barrier kBarrier: 0, the CTA
-// barrier, where they are the whole CTA.
-template <int kThreads, int BN, class T, int kBarrier = 0, class Tile, int MF, int NF>
+// in [kv_len, S) are written too: their accumulators are 0. Between the steps
+// the kThreads threads, the whole CTA, meet at its barrier. (The sm_90 kernel
+// stores from registers instead: bwd_sm90_kernel.h's store_key_rows.)
+template <int kThreads, int BN, class T, class Tile, int MF, int NF>
 __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const BwdRuntime& rt, const Tile& sK,
                                             const Tile& sV, const float (&dk)[MF][NF][4],
                                             const float (&dv)[MF][NF][4], int frag_row0, int frag_col0,
                                             int64_t kept, int64_t n0, int tid) {
   const int lane = tid % 32;
   cp_async_wait<0>();
-  named_sync(kBarrier, kThreads);
-  if (tid == 0) JF_TIMELINE_NOW(rt, kTlEpiSynced);
+  named_sync(0, kThreads);
   store_frags<T>(sK, dk, frag_row0, frag_col0, rt.scale, lane);
   store_frags<T>(sV, dv, frag_row0, frag_col0, rt.dv_scale, lane);
-  named_sync(kBarrier, kThreads);
-  if (tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStaged);
+  named_sync(0, kThreads);
   const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
   const int rows_out = static_cast<int>(min(p.seqlen_k - n0, int64_t{BN}));
   const int head_dim = static_cast<int>(p.head_dim);

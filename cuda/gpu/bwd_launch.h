@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -43,9 +44,10 @@ cudaError_t launch_backward_sm90(const AttentionParams& p, const BwdRuntime& rt,
   using Cfg = BwdSm90Config<T, D, kDropout, kScoreMods, kSegmentIds>;
   auto* kernel = &backward_sm90_kernel<Cfg>;
   if (const cudaError_t err = raise_smem_limit(kernel, Cfg::kSmemBytes); err != cudaSuccess) return err;
-  const int64_t blocks = rt.kv_kept * rt.k_tiles;
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  // Persistent: a CTA per SM (one fits), each taking tickets until they run out.
+  if (rt.tickets == 0) return cudaSuccess;
+  if (rt.tickets > INT_MAX - rt.sms) return cudaErrorInvalidConfiguration;  // the counter is an int
+  const int64_t blocks = std::min<int64_t>(rt.tickets, rt.sms);
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, rt);
   return cudaGetLastError();
 }

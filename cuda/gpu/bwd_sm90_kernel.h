@@ -10,9 +10,14 @@
 // FlashAttention-2 and is bound by the fragment loads' latency. wgmma reads
 // shared memory itself, so the threads only do the element-wise work.
 //
-// A CTA owns 128 keys, warpgroup g the 64 keys [64 g, 64 g + 64) of them, and
-// computes everything *transposed*, keys as rows, so that the accumulators of
-// its first products are the A operands of the next ones:
+// Persistent: a CTA per SM takes (kept instance, key tile) items from the
+// tickets until they run out (bwd_sm90_loads.h), so that one item's K / V load
+// and the first Q tile's overlap the previous item's last tile and its dK / dV
+// stores, which a CTA per item left exposed (~18 us of a 62 us CTA at D = 128,
+// N = 1k on the H100: docs/DESIGN.md). Per item, 128 keys, warpgroup g the 64
+// keys [64 g, 64 g + 64) of them; everything is computed *transposed*, keys
+// as rows, so that the accumulators of its first products are the A operands
+// of the next ones:
 //
 //   S^T  = K_g Q^T,   dP^T = V_g dO^T          SS, K-major  (64 x BLOCK_M)
 //   P^T  = exp2(S^T scale log2e - lse2),  dS^T = P^T o (dP^T - delta)
@@ -35,10 +40,13 @@
 // The loads: a producer warp (warp 0 of the third warpgroup) fills a two-stage
 // ring with each Q tile's Q and dO (TMA), lse2 and delta (bulk copies) and row
 // words (bwd_sm90_loads.h), so the next tile loads during the whole current
-// one and the consumers carry no load addressing. Only K / V, once per GQA
-// group, are still the consumers' cp.async. Rows in [q_len, T) that a sequence
-// length hides are inside the tensor, so the TMA reads them: the consumers zero
-// them (zero_rows) before the tile's barrier, as cp.async's zero fill did.
+// one and the consumers carry no load addressing, and K / V (TMA) once per item
+// as soon as the consumers release the previous ones. Rows in [q_len, T) (and
+// keys in [kv_len, S)) that a sequence length hides are inside the tensor, so
+// the TMA reads them: the consumers zero them (zero_rows) before the tile's
+// barrier, as cp.async's zero fill did. dK / dV go from the consumers'
+// registers straight to global memory (store_key_rows), so K / V's shared
+// memory is free for the next item's load during the epilogue.
 //
 // The dQ writer: one thread of the third warpgroup (warp 1's first) adds each
 // staged dQ tile to the accumulator in the tile's turn (bwd_dq.h's protocol), so the
@@ -138,8 +146,9 @@ struct BwdSm90Config {
   // (2 s, 2 s + 1) BLOCK_M floats, the Q tile's row words of stage s at
   // kRowWordsOff + s BLOCK_M words (the dropout's row keys, or with kSegmentIds
   // the queries' segment ids), the two dQ stages, their mbarriers (full 0, 1,
-  // empty 0, 1), their DqTurns, and the Q-tile stages' mbarriers (QTileStages:
-  // full 0, 1, empty 0, 1).
+  // empty 0, 1), their DqTurns, then the loads' mbarriers and item slots
+  // (QTileStages: the Q-tile stages' full 0, 1, empty 0, 1, K / V's full and
+  // empty, the item slots' full 0, 1 and empty 0, 1, then the two slots).
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
   static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
   static constexpr int kRowWordsOff = kStatsOff + 4 * kBlockM * 4;
@@ -148,7 +157,7 @@ struct BwdSm90Config {
   static constexpr int kDqBarsOff = kDqStageOff + 2 * kDqTileFloats * 4;
   static constexpr int kDqTurnsOff = kDqBarsOff + 4 * 8;
   static constexpr int kLoadBarsOff = kDqTurnsOff + 2 * 16;
-  static constexpr int kSmemBytes = kLoadBarsOff + 4 * 8 + 1024;
+  static constexpr int kSmemBytes = kLoadBarsOff + 10 * 8 + 2 * 16 + 1024;
   static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
 };
 
@@ -196,17 +205,18 @@ struct DqTurn {
   int target;
 };
 
-// The writer's loop: the staged tiles in the consumers' order, each added in
-// its turn (bwd_dq.h: add_dq_tile) on the tile's first semaphore. In the
+// The writer's loop over one item: the staged tiles in the consumers' order, each
+// added in its turn (bwd_dq.h: add_dq_tile) on the tile's first semaphore. In the
 // kSegmentIds copy, whose consumers skip Q tiles by segment ids, they name each
-// tile and its turn (DqTurn) until the end mark; the other copies' writer walks
-// the consumers' instances and Q tiles itself and forms the turns from the
+// tile and its turn (DqTurn) until the item's end mark; the other copies' writer
+// walks the consumers' instances and Q tiles itself and forms the turns from the
 // visible range: with the named turns the plain copy measured 0.94-0.96 of
-// this at D = 128, N >= 4k (H100, kernel alone).
+// this at D = 128, N >= 4k (H100, kernel alone). n: the tiles staged over the
+// CTA's life (the stage and its phase).
 template <class Cfg>
 __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
                                                int64_t key_tile, const float* stages, const DqTurn* turns,
-                                               uint64_t* full, uint64_t* empty) {
+                                               uint64_t* full, uint64_t* empty, uint32_t& n) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
   auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
     add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
@@ -214,16 +224,19 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
   };
   if constexpr (Cfg::kSegmentIds) {
 #pragma unroll 1
-    for (uint32_t n = 0;; ++n) {
+    for (;; ++n) {
       const Stage<2> stage(n);
       mbar_wait(full + stage.index, stage.parity);
       const DqTurn turn = turns[stage.index];
-      if (turn.tile < 0) break;
+      if (turn.tile < 0) {  // the item's end mark: its stage is free at once
+        mbar_arrive_if(empty + stage.index, true);
+        ++n;
+        break;
+      }
       add(stage, turn.tile, turn.target);
     }
   } else {
     const int64_t n0 = key_tile * BN;
-    uint32_t n = 0;
 #pragma unroll 1
     for (int64_t r = 0; r < rt.kv_reduced; ++r) {
       const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
@@ -235,6 +248,50 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
         mbar_wait(full + stage.index, stage.parity);
         add(stage, linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, false, 0));
       }
+    }
+  }
+}
+
+// dK (x scale) or dV (x dv_scale) of a warp's 16 key rows, from its accumulator straight to
+// global memory (`dst`: the tile's first row; rows from `rows` on are not written). Each
+// quad of lanes holds 8 columns of a row per fragment, 2 per lane; after the quad exchanges
+// four fragments' words (a 4 x 4 transpose by XOR shuffles) each lane stores 16 bytes, one
+// fragment's columns, and a quad's four stores cover 64 contiguous bytes of the row. With
+// `vec` false (rows not 16-byte aligned) each element goes alone. No shared memory and no
+// barrier: the producer may load the next item's K / V meanwhile.
+template <class T, int D>
+__device__ __forceinline__ void store_key_rows(const Acc<D>& acc, float scale, T* dst, int64_t row_stride,
+                                               int warp_row0, int64_t rows, bool vec, int lane) {
+  const int q = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // the lane's rows warp_row0 + lane / 4 (+ 8)
+    const int row = warp_row0 + frag_row(0, 2 * h, lane);
+    if (!vec) {
+      if (row < rows)
+#pragma unroll
+        for (int nf = 0; nf < D / 8; ++nf)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            dst[row * row_stride + frag_col(nf, e, lane)] = static_cast<T>(acc[0][nf][2 * h + e] * scale);
+      continue;
+    }
+#pragma unroll
+    for (int g = 0; g < D / 32; ++g) {  // fragments 4 g .. 4 g + 3: columns 32 g .. 32 g + 31
+      uint32_t x[4], y[4] = {};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        x[j] = pack2(acc[0][4 * g + j][2 * h] * scale, acc[0][4 * g + j][2 * h + 1] * scale, T{});
+      // Lane q gathers fragment 4 g + q of its row: word j from quad lane j.
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int send = q ^ s;  // the partner q ^ s wants this lane's word of fragment 4 g + (q ^ s)
+        const uint32_t out = send == 0 ? x[0] : send == 1 ? x[1] : send == 2 ? x[2] : x[3];
+        const uint32_t in = __shfl_xor_sync(0xffffffffu, out, s);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) y[j] = j == send ? in : y[j];
+      }
+      if (row < rows)
+        *reinterpret_cast<uint4*>(dst + row * row_stride + 8 * (4 * g + q)) = make_uint4(y[0], y[1], y[2], y[3]);
     }
   }
 }
@@ -270,26 +327,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     stages.init_barriers();
     mbar_init_fence();
   }
-  if (threadIdx.x == 0) JF_TIMELINE_NOW(rt, kTlStart);
-  const KeyTileTicket ticket = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
-#ifdef JAXFLASH_BWD_TIMELINE
-  if (threadIdx.x == 0) {
-    JF_TIMELINE(rt, kTlTicket, static_cast<unsigned long long>(ticket.kept) << 20 | ticket.key_tile);
-    JF_TIMELINE(rt, kTlSm, smid());
-  }
-#endif
-  // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
-  const int64_t kept = ticket.kept, key_tile = ticket.key_tile;
+  __syncthreads();  // the only CTA-wide barrier: the third warpgroup leaves early
   if (warpgroup == 0) {  // warp 0 the producer, warp 1's first thread the dQ writer
     regs_release<Cfg::kWriterRegs>();
     // The warp as a shuffled, warp-uniform value: on threadIdx.x < 32 ptxas kept the two
     // roles' values live across both paths, as if a warp could take both, and spilled ~400
     // bytes of the 24 registers.
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
-    if (warp == 0) load_q_tiles<Cfg>(p, rt, stages, kept, key_tile, threadIdx.x);
-    else if (threadIdx.x == 32) {
-      write_dq_tiles<Cfg>(p, rt, kept, key_tile, dq_stages, dq_turns, dq_full, dq_empty);
-      JF_TIMELINE_NOW(rt, kTlWriterDone);
+    if (warp == 0) {
+      produce<Cfg>(p, rt, stages, threadIdx.x);
+    } else if (threadIdx.x == 32) {
+      uint32_t n = 0;  // dQ tiles staged over the CTA's life
+#pragma unroll 1
+      for (uint32_t item = 0;; ++item) {
+        const KeyTileTicket t = stages.receive_item(item);
+        if (t.kept < 0) break;
+        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n);
+        if (item == kTlItem) JF_TIMELINE_NOW(rt, kTlWriterDone);
+      }
     }
     return;
   }
@@ -309,18 +364,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // and reloaded for every tile (D = 128) once the loads left the consumers.
   const uint32_t ds_origin = sdS.origin(warp_key0 + lane / 4, 2 * (lane % 4));
 
-  const int64_t n0 = key_tile * BN;
   // The soft-cap (kScoreMods): tanh's argument is S^T score_mul / softcap2.
   const bool capped = kMods && rt.softcap2 > 0.f;
   const float cap_in = capped ? rt.score_mul / rt.softcap2 : 0.f;
 
-  Acc<D> dk, dv;
-  zero_frags(dk);
-  zero_frags(dv);
-
-  ResidentKv<T> resident;  // a GQA group shares the K/V rows
-  uint32_t q_tile_n = 0;   // Q tiles visited, over the whole walk: the load stage and its phase
-  uint32_t dq_turn = 0;    // tiles handed to the writer: the dQ stage and its phase
+  // Counts over the CTA's life, which name the stages and their phases: Q tiles visited,
+  // tiles handed to the writer, K / V loads.
+  uint32_t q_tile_n = 0, dq_turn = 0, kv_loads = 0;
   // Hands the next dQ stage to the writer (kSegmentIds: with `turn`), once the writer's
   // reduction of two turns ago has read it; `stage_frags(dst)` first writes the tile's
   // partial into it.
@@ -336,231 +386,260 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
 
 #pragma unroll 1
-  for (int64_t r = 0; r < rt.kv_reduced; ++r) {
-    const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
-    const InstanceBounds b = instance_bounds(p, linear);
-    const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
-    if (rows.lo >= rows.hi) continue;
-    const int64_t i_last = (rows.hi - 1) / BM;
-    auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
-      return visited_q_tile<kIds>(rt, linear, i, i_last, key_tile, lane);
-    };
-    const int64_t i_begin = visit_from(rows.lo / BM);
-    if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
-    const InstanceIndex inst(p, linear);
-    const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
-    // Dropout: the pair (cuda/dropout.h) of the lane's keys s and s + 8 (warp_key0 is a
-    // multiple of 16, and so is the block's column offset); the rows' keys come with the tile.
-    const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, inst.origin<const uint32_t>(p, p.seed))
-                                                  .pair(n0 + warp_key0 + frag_row(0, 0, lane))
-                                            : 0u;
-    // Segment ids (kSegmentIds): the queries' come with the tile (row words), the lane's
-    // two key rows' are loaded here (keys past S are masked by position).
-    const bool ids = kIds && rt.segments.q != nullptr;
-    int32_t key_ids[2] = {};
-    if (ids) {
-      const int32_t* kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t key = n0 + warp_key0 + frag_row(0, 2 * h, lane);
-        if (key < p.seqlen_k) key_ids[h] = __ldg(kv_ids + key * p.kv_segment_ids.row_stride);
-      }
-    }
+  for (uint32_t item = 0;; ++item) {
+    const KeyTileTicket item_tile = stages.receive_item(item);
+    if (item_tile.kept < 0) break;
+    if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlStart);
+    // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
+    const int64_t kept = item_tile.kept, key_tile = item_tile.key_tile;
+    const int64_t n0 = key_tile * BN;
 
-    // Every warpgroup's products of the previous instance are complete (each
-    // waited for its own before its last barrier); this one orders them
-    // before the loads below overwrite their operands.
-    named_sync(Cfg::kConsumerBarrier, kThreads);
-    if (tid == 0 && q_tile_n == 0) JF_TIMELINE_NOW(rt, kTlKvIssue);
-    resident.template load<kThreads>(sK, sV, p, inst.origin<const T>(p, p.k) + n0 * p.k.row_stride,
-                                     inst.origin<const T>(p, p.v) + n0 * p.v.row_stride,
-                                     static_cast<int>(min(b.kv_len - n0, int64_t{BN})), true, true, tid);
-    cp_async_commit();
-    cp_async_wait<0>();  // (visible to the other threads after the first tile's barrier)
-    if (tid == 0 && q_tile_n == 0) JF_TIMELINE_NOW(rt, kTlKvLoaded);
+    Acc<D> dk, dv;
+    zero_frags(dk);
+    zero_frags(dv);
+    bool holds_kv = false;  // whether this item's K / V are in shared memory (a load not released)
 
 #pragma unroll 1
-    for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, ++q_tile_n) {
-      const int64_t m0 = i * BM;
-      i_next = visit_from(i + 1);
-      const Stage<2> stage(q_tile_n);
-      mbar_wait(stages.full(stage.index), stage.parity);
-      if (tid == 0 && q_tile_n == 0) JF_TIMELINE_NOW(rt, kTlFirstQ);
-      const QTile sQ = stages.q(stage.index), sdO = stages.d_o(stage.index);
-      // Rows [q_len, T) of the tile hold the tensor's padding, which may be anything,
-      // NaN included: zeros, as the cp.async copies' zero fill gave (rows past T the
-      // TMA zero-filled).
-      if (m0 + BM > b.q_len && b.q_len < p.seqlen_q) {
-        const int row0 = static_cast<int>(b.q_len - m0), row_end = static_cast<int>(min(p.seqlen_q - m0, int64_t{BM}));
-        zero_rows(sQ, row0, row_end, tid, kThreads);
-        zero_rows(sdO, row0, row_end, tid, kThreads);
+    for (int64_t r = 0; r < rt.kv_reduced; ++r) {
+      const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
+      const InstanceBounds b = instance_bounds(p, linear);
+      const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
+      if (rows.lo >= rows.hi) continue;
+      const int64_t i_last = (rows.hi - 1) / BM;
+      auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
+        return visited_q_tile<kIds>(rt, linear, i, i_last, key_tile, lane);
+      };
+      const int64_t i_begin = visit_from(rows.lo / BM);
+      if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
+      const InstanceIndex inst(p, linear);
+      const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
+      // Dropout: the pair (cuda/dropout.h) of the lane's keys s and s + 8 (warp_key0 is a
+      // multiple of 16, and so is the block's column offset); the rows' keys come with the tile.
+      const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, inst.origin<const uint32_t>(p, p.seed))
+                                                    .pair(n0 + warp_key0 + frag_row(0, 0, lane))
+                                              : 0u;
+      // Segment ids (kSegmentIds): the queries' come with the tile (row words), the lane's
+      // two key rows' are loaded here (keys past S are masked by position).
+      const bool ids = kIds && rt.segments.q != nullptr;
+      int32_t key_ids[2] = {};
+      if (ids) {
+        const int32_t* kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t key = n0 + warp_key0 + frag_row(0, 2 * h, lane);
+          if (key < p.seqlen_k) key_ids[h] = __ldg(kv_ids + key * p.kv_segment_ids.row_stride);
+        }
       }
-      fence_proxy_async_shared();  // K / V's copies and the zeros, before the tensor cores read them
-      // Every warpgroup's dQ product of the previous tile (which reads all of dS^T) is
-      // complete: each waited for its own before this barrier.
-      named_sync(Cfg::kConsumerBarrier, kThreads);
-      const float* lse2 = stages.lse2(stage.index);
-      const float* delta = stages.delta(stage.index);
-      const uint32_t* tile_row_words = stages.row_words(stage.index);
 
-      const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
-      const bool id_test = ids && rt.segments.needs_test(linear, i, key_tile);
-      // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
-#pragma unroll
-      for (int sub = 0; sub < BM / kSubM; ++sub) {
-        const int q0 = sub * kSubM;
-        Acc<kSubM> s, dp;
-        {
-          const GmmaOperand<KTile, false> k_op(sK, key0), v_op(sV, key0);
-          const GmmaOperand<QTile, false> q_op(sQ, q0), do_op(sdO, q0);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, kSubM, false, false>(s, k_op.step(kk), q_op.step(kk), kk > 0);
-          wgmma_commit();
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, kSubM, false, false>(dp, v_op.step(kk), do_op.step(kk), kk > 0);
-          wgmma_commit();
+      // The item's K / V, before its first visited instance (and each one's with
+      // kv_per_instance: the producer's load_item loads alike): release those held (each
+      // thread's products that read them are complete: it waited for them before its last
+      // tile's release), wait for the new ones, and zero the rows a sequence length hides
+      // (visible to the tensor cores after the first tile's fence and barrier).
+      if (!holds_kv || rt.kv_per_instance) {
+        if (holds_kv) mbar_arrive(stages.kv_empty());
+        if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlKvIssue);
+        mbar_wait(stages.kv_full(), kv_loads & 1u);
+        ++kv_loads;
+        holds_kv = true;
+        if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlKvLoaded);
+        const int64_t rows_end = min(p.seqlen_k - n0, int64_t{BN}), kv_rows = b.kv_len - n0;
+        if (kv_rows < rows_end) {
+          zero_rows(sK, static_cast<int>(kv_rows), static_cast<int>(rows_end), tid, kThreads);
+          zero_rows(sV, static_cast<int>(kv_rows), static_cast<int>(rows_end), tid, kThreads);
         }
+      }
 
-        // P^T while dP^T computes. The columns are queries: each lane's two
-        // adjacent columns share one 8-byte load of the row statistics.
-        wgmma_wait<1>();
-        hold_acc(s);
-        // Each fragment's scores x to exponents: exponents(x, nf, l), l the lse2 of its two columns.
-        auto to_exponents = [&](auto&& exponents) {
-#pragma unroll
-          for (int nf = 0; nf < kSubM / 8; ++nf)
-            exponents(s[0][nf], nf, *reinterpret_cast<const float2*>(lse2 + q0 + frag_col(nf, 0, lane)));
-        };
-        // The soft-cap's slope of each score, for dS^T (none without), as fp16 pairs (e = 2 h,
-        // 2 h + 1): half the registers, and a slope in [0, 1] to 2^-11, below tanh.approx's error.
-        uint32_t slope[kSubM / 8][2];
-        if (capped)
-          to_exponents([&](float (&x)[4], int nf, float2 l) {
-            float t[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              t[e] = soft_cap_tanh<T>(x[e] * cap_in);
-              x[e] = fmaf(t[e], rt.softcap2, -(e & 1 ? l.y : l.x));
-            }
-#pragma unroll
-            for (int h = 0; h < 2; ++h)  // as jax's tanh JVP
-              slope[nf][h] =
-                  pack2((1.f - t[2 * h]) * (1.f + t[2 * h]), (1.f - t[2 * h + 1]) * (1.f + t[2 * h + 1]), __half{});
-          });
-        else
-          to_exponents([&](float (&x)[4], int, float2 l) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) x[e] = fmaf(x[e], rt.score_mul, -(e & 1 ? l.y : l.x));
-          });
-        if constexpr (kMods) {
-          const ScoreBlock blk(p, b, m0 + q0, n0 + warp_key0);  // (queries, keys): the accumulator transposed
-          if (alibi2 != 0.f) alibi_scores(s, -blk.diag, 1.f, alibi2, lane);  // hence -diag
-          if (!full) mask_positions_transposed(s, blk, lane);
-          if (id_test)
-            apply_segment_ids_transposed(s, key_ids, reinterpret_cast<const int32_t*>(tile_row_words) + q0, lane);
-        } else if (!full) {  // the ScoreBlock inside: outside, it cost this copy 40-48 B more spills
-          mask_positions_transposed(s, ScoreBlock(p, b, m0 + q0, n0 + warp_key0), lane);
+#pragma unroll 1
+      for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, ++q_tile_n) {
+        const int64_t m0 = i * BM;
+        i_next = visit_from(i + 1);
+        const Stage<2> stage(q_tile_n);
+        mbar_wait(stages.full(stage.index), stage.parity);
+        if (item == kTlItem && tid == 0 && i == i_begin) JF_TIMELINE_NOW(rt, kTlFirstQ);
+        const QTile sQ = stages.q(stage.index), sdO = stages.d_o(stage.index);
+        // Rows [q_len, T) of the tile hold the tensor's padding, which may be anything,
+        // NaN included: zeros, as the cp.async copies' zero fill gave (rows past T the
+        // TMA zero-filled).
+        if (m0 + BM > b.q_len && b.q_len < p.seqlen_q) {
+          const int row0 = static_cast<int>(b.q_len - m0), row_end = static_cast<int>(min(p.seqlen_q - m0, int64_t{BM}));
+          zero_rows(sQ, row0, row_end, tid, kThreads);
+          zero_rows(sdO, row0, row_end, tid, kThreads);
         }
-#pragma unroll
-        for (int nf = 0; nf < kSubM / 8; ++nf)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][nf][e] = fast_exp2(s[0][nf][e]);  // exp2(-inf) = 0
+        fence_proxy_async_shared();  // the zeros, before the tensor cores read them
+        // Every warpgroup's dQ product of the previous tile (which reads all of dS^T) is
+        // complete: each waited for its own before this barrier.
+        named_sync(Cfg::kConsumerBarrier, kThreads);
+        const float* lse2 = stages.lse2(stage.index);
+        const float* delta = stages.delta(stage.index);
+        const uint32_t* tile_row_words = stages.row_words(stage.index);
 
-        // dS^T. P = 0 (masked, or a row without gradient) gives dS = 0
-        // exactly: an inf in V cannot leak in as 0 * inf = NaN.
-        wgmma_wait<0>();
-        hold_acc(dp);
-        // With dropout, element e of fragment nf is key row 8 (e / 2), query column
-        // e % 2: a lane's keys s and s + 8 are a pair of cuda/dropout.h (warp_key0 is
-        // a multiple of 16, and so is the block's column offset), one hash per query column.
-#pragma unroll
-        for (int nf = 0; nf < kSubM / 8; ++nf) {
-          const int col = q0 + frag_col(nf, 0, lane);
-          const float2 dl = *reinterpret_cast<const float2*>(delta + col);
-          uint32_t bits[2] = {};
-          if constexpr (Cfg::kDropout) {
-            const uint2 rk = *reinterpret_cast<const uint2*>(tile_row_words + col);
-            bits[0] = dropout_pair_bits(rk.x, key_pair);
-            bits[1] = dropout_pair_bits(rk.y, key_pair);
+        const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
+        const bool id_test = ids && rt.segments.needs_test(linear, i, key_tile);
+        // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
+  #pragma unroll
+        for (int sub = 0; sub < BM / kSubM; ++sub) {
+          const int q0 = sub * kSubM;
+          Acc<kSubM> s, dp;
+          {
+            const GmmaOperand<KTile, false> k_op(sK, key0), v_op(sV, key0);
+            const GmmaOperand<QTile, false> q_op(sQ, q0), do_op(sdO, q0);
+            wgmma_fence();
+  #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, kSubM, false, false>(s, k_op.step(kk), q_op.step(kk), kk > 0);
+            wgmma_commit();
+  #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, kSubM, false, false>(dp, v_op.step(kk), do_op.step(kk), kk > 0);
+            wgmma_commit();
           }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float pv = s[0][nf][e];
-            float dpv = dp[0][nf][e];
+
+          // P^T while dP^T computes. The columns are queries: each lane's two
+          // adjacent columns share one 8-byte load of the row statistics.
+          wgmma_wait<1>();
+          hold_acc(s);
+          // Each fragment's scores x to exponents: exponents(x, nf, l), l the lse2 of its two columns.
+          auto to_exponents = [&](auto&& exponents) {
+  #pragma unroll
+            for (int nf = 0; nf < kSubM / 8; ++nf)
+              exponents(s[0][nf], nf, *reinterpret_cast<const float2*>(lse2 + q0 + frag_col(nf, 0, lane)));
+          };
+          // The soft-cap's slope of each score, for dS^T (none without), as fp16 pairs (e = 2 h,
+          // 2 h + 1): half the registers, and a slope in [0, 1] to 2^-11, below tanh.approx's error.
+          uint32_t slope[kSubM / 8][2];
+          if (capped)
+            to_exponents([&](float (&x)[4], int nf, float2 l) {
+              float t[4];
+  #pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                t[e] = soft_cap_tanh<T>(x[e] * cap_in);
+                x[e] = fmaf(t[e], rt.softcap2, -(e & 1 ? l.y : l.x));
+              }
+  #pragma unroll
+              for (int h = 0; h < 2; ++h)  // as jax's tanh JVP
+                slope[nf][h] =
+                    pack2((1.f - t[2 * h]) * (1.f + t[2 * h]), (1.f - t[2 * h + 1]) * (1.f + t[2 * h + 1]), __half{});
+            });
+          else
+            to_exponents([&](float (&x)[4], int, float2 l) {
+  #pragma unroll
+              for (int e = 0; e < 4; ++e) x[e] = fmaf(x[e], rt.score_mul, -(e & 1 ? l.y : l.x));
+            });
+          if constexpr (kMods) {
+            const ScoreBlock blk(p, b, m0 + q0, n0 + warp_key0);  // (queries, keys): the accumulator transposed
+            if (alibi2 != 0.f) alibi_scores(s, -blk.diag, 1.f, alibi2, lane);  // hence -diag
+            if (!full) mask_positions_transposed(s, blk, lane);
+            if (id_test)
+              apply_segment_ids_transposed(s, key_ids, reinterpret_cast<const int32_t*>(tile_row_words) + q0, lane);
+          } else if (!full) {  // the ScoreBlock inside: outside, it cost this copy 40-48 B more spills
+            mask_positions_transposed(s, ScoreBlock(p, b, m0 + q0, n0 + warp_key0), lane);
+          }
+  #pragma unroll
+          for (int nf = 0; nf < kSubM / 8; ++nf)
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nf][e] = fast_exp2(s[0][nf][e]);  // exp2(-inf) = 0
+
+          // dS^T. P = 0 (masked, or a row without gradient) gives dS = 0
+          // exactly: an inf in V cannot leak in as 0 * inf = NaN.
+          wgmma_wait<0>();
+          hold_acc(dp);
+          // With dropout, element e of fragment nf is key row 8 (e / 2), query column
+          // e % 2: a lane's keys s and s + 8 are a pair of cuda/dropout.h (warp_key0 is
+          // a multiple of 16, and so is the block's column offset), one hash per query column.
+  #pragma unroll
+          for (int nf = 0; nf < kSubM / 8; ++nf) {
+            const int col = q0 + frag_col(nf, 0, lane);
+            const float2 dl = *reinterpret_cast<const float2*>(delta + col);
+            uint32_t bits[2] = {};
             if constexpr (Cfg::kDropout) {
-              const bool keep = e < 2 ? dropout_keep_lower(bits[e & 1], p.keep_threshold)
-                                      : dropout_keep_upper(bits[e & 1], p.keep_threshold);
-              dpv *= keep ? p.keep_scale : 0.f;  // products with 0: NaN stays NaN (primitives/dropout.h)
-              s[0][nf][e] *= keep ? 1.f : 0.f;
+              const uint2 rk = *reinterpret_cast<const uint2*>(tile_row_words + col);
+              bits[0] = dropout_pair_bits(rk.x, key_pair);
+              bits[1] = dropout_pair_bits(rk.y, key_pair);
             }
-            dp[0][nf][e] = pv != 0.f ? pv * (dpv - (e & 1 ? dl.y : dl.x)) : 0.f;
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float pv = s[0][nf][e];
+              float dpv = dp[0][nf][e];
+              if constexpr (Cfg::kDropout) {
+                const bool keep = e < 2 ? dropout_keep_lower(bits[e & 1], p.keep_threshold)
+                                        : dropout_keep_upper(bits[e & 1], p.keep_threshold);
+                dpv *= keep ? p.keep_scale : 0.f;  // products with 0: NaN stays NaN (primitives/dropout.h)
+                s[0][nf][e] *= keep ? 1.f : 0.f;
+              }
+              dp[0][nf][e] = pv != 0.f ? pv * (dpv - (e & 1 ? dl.y : dl.x)) : 0.f;
+            }
           }
+          if (capped)  // dS of the logits -> dS of K Q^T
+  #pragma unroll
+            for (int nf = 0; nf < kSubM / 8; ++nf)
+  #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const float2 sl = __half22float2(*reinterpret_cast<const __half2*>(&slope[nf][h]));
+                dp[0][nf][2 * h] *= sl.x;
+                dp[0][nf][2 * h + 1] *= sl.y;
+              }
+
+          // Both as T: the A operands of dV += P^T dO and dK += dS^T Q, and
+          // dS^T to shared memory for dQ (register t of an A operand holds rows
+          // g (+8 for odd t), columns 2 (lane % 4) (+8 for t >= 2)).
+          uint32_t pa[kSubM / 16][4], dsa[kSubM / 16][4];
+  #pragma unroll
+          for (int j = 0; j < kSubM / 16; ++j) {
+            a_operand<T>(pa[j], s, j);
+            a_operand<T>(dsa[j], dp, j);
+  #pragma unroll
+            for (int t = 0; t < 4; ++t)
+              sts_u32(DsTile::origin_at(ds_origin, 8 * (t & 1), q0 + 16 * j + 8 * (t >> 1)), dsa[j][t]);
+          }
+          const GmmaOperand<QTile, true> do_op(sdO, 0), q_op(sQ, 0);
+          wgmma_fence();
+  #pragma unroll
+          for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dv, pa[j], do_op.step(q0 / 16 + j), true);
+  #pragma unroll
+          for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dk, dsa[j], q_op.step(q0 / 16 + j), true);
+          wgmma_commit();
         }
-        if (capped)  // dS of the logits -> dS of K Q^T
-#pragma unroll
-          for (int nf = 0; nf < kSubM / 8; ++nf)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float2 sl = __half22float2(*reinterpret_cast<const __half2*>(&slope[nf][h]));
-              dp[0][nf][2 * h] *= sl.x;
-              dp[0][nf][2 * h + 1] *= sl.y;
-            }
+        fence_proxy_async_shared();  // the dS^T stores, before the tensor cores read them
+        named_sync(Cfg::kConsumerBarrier, kThreads);
 
-        // Both as T: the A operands of dV += P^T dO and dK += dS^T Q, and
-        // dS^T to shared memory for dQ (register t of an A operand holds rows
-        // g (+8 for odd t), columns 2 (lane % 4) (+8 for t >= 2)).
-        uint32_t pa[kSubM / 16][4], dsa[kSubM / 16][4];
-#pragma unroll
-        for (int j = 0; j < kSubM / 16; ++j) {
-          a_operand<T>(pa[j], s, j);
-          a_operand<T>(dsa[j], dp, j);
-#pragma unroll
-          for (int t = 0; t < 4; ++t)
-            sts_u32(DsTile::origin_at(ds_origin, 8 * (t & 1), q0 + 16 * j + 8 * (t >> 1)), dsa[j][t]);
+        Acc<64> dq;
+        {
+          const GmmaOperand<DsTile, true> ds_op(sdS, dq_row0);
+          const GmmaOperand<KTile, true> k_op(sK, dq_col0);
+          wgmma_fence();
+  #pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) wgmma_ss<T, 64, true, true>(dq, ds_op.step(kk), k_op.step(kk), kk > 0);
+          wgmma_commit();
         }
-        const GmmaOperand<QTile, true> do_op(sdO, 0), q_op(sQ, 0);
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dv, pa[j], do_op.step(q0 / 16 + j), true);
-#pragma unroll
-        for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dk, dsa[j], q_op.step(q0 / 16 + j), true);
-        wgmma_commit();
-      }
-      fence_proxy_async_shared();  // the dS^T stores, before the tensor cores read them
-      named_sync(Cfg::kConsumerBarrier, kThreads);
+        // kSegmentIds: the key tile's turn on this Q tile (bwd_dq.h), counting only the key
+        // tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
+        DqTurn turn{};
+        if constexpr (kIds) {
+          turn = DqTurn{linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, true, lane)};
+        }
+        wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
+        hold_acc(dq);
+        mbar_arrive(stages.empty(stage.index));  // this thread's last reads of the stage
 
-      Acc<64> dq;
-      {
-        const GmmaOperand<DsTile, true> ds_op(sdS, dq_row0);
-        const GmmaOperand<KTile, true> k_op(sK, dq_col0);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) wgmma_ss<T, 64, true, true>(dq, ds_op.step(kk), k_op.step(kk), kk > 0);
-        wgmma_commit();
+        // To the writer: each warp's block in the accumulator's layout.
+        hand_over(turn, [&](float* stage_floats) {
+          stage_dq_frags(dq, stage_floats + dq_warp * kDqWarpFloats, lane);
+        });
       }
-      // kSegmentIds: the key tile's turn on this Q tile (bwd_dq.h), counting only the key
-      // tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
-      DqTurn turn{};
-      if constexpr (kIds) {
-        turn = DqTurn{linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, true, lane)};
-      }
-      wgmma_wait<0>();  // dQ, and this tile's dV / dK: their operands are free
-      hold_acc(dq);
-      mbar_arrive(stages.empty(stage.index));  // this thread's last reads of the stage
-
-      // To the writer: each warp's block in the accumulator's layout.
-      hand_over(turn, [&](float* stage_floats) {
-        stage_dq_frags(dq, stage_floats + dq_warp * kDqWarpFloats, lane);
-      });
     }
+    if constexpr (kIds) hand_over(DqTurn{-1, 0}, [](float*) {});  // the item's end of turns
+    // K / V are free for the next item's load while dK / dV go out from registers.
+    if (holds_kv) mbar_arrive(stages.kv_empty());
+    hold_acc(dk);
+    hold_acc(dv);
+    if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlLoopDone);
+    const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
+    const int64_t rows_out = min(p.seqlen_k - n0, int64_t{BN});
+    store_key_rows<T, D>(dk, rt.scale, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, warp_key0,
+                         rows_out, rt.dk_vec, lane);
+    store_key_rows<T, D>(dv, rt.dv_scale, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride,
+                         warp_key0, rows_out, rt.dv_vec, lane);
+    if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStored);
   }
-  if constexpr (kIds) hand_over(DqTurn{-1, 0}, [](float*) {});  // the end of the turns
-  hold_acc(dk);
-  hold_acc(dv);
-  if (tid == 0) JF_TIMELINE_NOW(rt, kTlLoopDone);
-  store_dk_dv<kThreads, BN, T, Cfg::kConsumerBarrier>(p, rt, sK, sV, dk, dv, warp_key0, 0, kept, n0, tid);
-  if (tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStored);
 #else
   (void)p, (void)rt;
 #endif

@@ -37,7 +37,6 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -696,44 +695,32 @@ bool run_determinism(const Case& c, int repeats, std::mt19937& rng) {
 }
 
 #ifdef JAXFLASH_BWD_TIMELINE
-// Where the last launch's CTAs spent their lives (timeline.h), in us per CTA: the phases
-// between consumer 0's events, the dQ writer's drain after the dK / dV stores were issued
-// (negative: done before), and each SM's idle time between one CTA's end and the next's start.
+// Where the last launch's CTAs spent their second items (timeline.h), in us per item: the
+// phases between consumer 0's events, and the dQ writer's drain after the dK / dV stores
+// were issued (negative: done before).
 void timeline_report() {
   using namespace jaxflash::gpu;
   std::vector<unsigned long long> t(size_t(kTlCtas) * kTlEvents);
   CHECK_CUDA(cudaDeviceSynchronize());
   CHECK_CUDA(cudaMemcpy(t.data(), bwd_timeline_buffer(), t.size() * sizeof(t[0]), cudaMemcpyDeviceToHost));
   auto at = [&](int c, int e) { return double(t[size_t(c) * kTlEvents + e]); };
-  constexpr int kPhases = 7;
-  const int phases[kPhases + 1] = {kTlStart,    kTlKvIssue,   kTlKvLoaded,  kTlFirstQ,
-                                   kTlLoopDone, kTlEpiSynced, kTlEpiStaged, kTlEpiStored};
-  const char* names[kPhases] = {"setup",        "K/V load",         "first Q",      "Q-tile loop",
-                                "epilogue barrier", "dK/dV to smem", "dK/dV stores"};
-  double sum[kPhases] = {}, drain = 0, life = 0, first = 1e300, last = 0;
-  std::map<int, std::vector<std::pair<double, double>>> by_sm;  // (start, end) per SM
+  constexpr int kPhases = 5;
+  const int phases[kPhases + 1] = {kTlStart, kTlKvIssue, kTlKvLoaded, kTlFirstQ, kTlLoopDone, kTlEpiStored};
+  const char* names[kPhases] = {"setup", "K/V wait", "first Q wait", "Q-tile loop", "dK/dV stores"};
+  double sum[kPhases] = {}, drain = 0, life = 0;
   int n = 0;
   for (int c = 0; c < kTlCtas; ++c) {
-    // (A CTA whose keys no query sees stamps only its start.)
+    // (CTAs with one item, or whose item's keys no query sees, stamp less.)
     if (at(c, kTlStart) == 0 || at(c, kTlFirstQ) == 0 || at(c, kTlEpiStored) == 0) continue;
     ++n;
     for (int k = 0; k < kPhases; ++k) sum[k] += at(c, phases[k + 1]) - at(c, phases[k]);
-    const double end = std::max(at(c, kTlEpiStored), at(c, kTlWriterDone));
     drain += at(c, kTlWriterDone) - at(c, kTlEpiStored);
-    life += end - at(c, kTlStart);
-    first = std::min(first, at(c, kTlStart)), last = std::max(last, end);
-    by_sm[int(at(c, kTlSm))].push_back({at(c, kTlStart), end});
+    life += std::max(at(c, kTlEpiStored), at(c, kTlWriterDone)) - at(c, kTlStart);
   }
-  if (n == 0) return;  // not the sm_90 kernel
-  double gaps = 0;
-  for (auto& [sm, lives] : by_sm) {
-    std::sort(lives.begin(), lives.end());
-    for (size_t k = 1; k < lives.size(); ++k) gaps += lives[k].first - lives[k - 1].second;
-  }
-  std::printf("    timeline: %d CTAs on %zu SMs over %.1f us; per CTA (us): life %.2f =", n, by_sm.size(),
-              (last - first) / 1e3, life / n / 1e3);
+  if (n == 0) return;  // not the sm_90 kernel, or one item per CTA
+  std::printf("    timeline: item %d of %d CTAs, us: %.2f =", int(kTlItem), n, life / n / 1e3);
   for (int k = 0; k < kPhases; ++k) std::printf("%s %s %.2f", k ? " +" : "", names[k], sum[k] / n / 1e3);
-  std::printf(" + writer drain %.2f; SM idle between CTAs %.2f\n", drain / n / 1e3, gaps / n / 1e3);
+  std::printf(" + writer drain %.2f\n", drain / n / 1e3);
 }
 #endif
 
