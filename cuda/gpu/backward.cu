@@ -23,6 +23,8 @@
 #include "arch.h"
 #include "bwd_kernel_traits.h"
 #include "instance.h"
+#include "primitives/ptx.h"
+#include "primitives/warp_gemm.h"
 #include "segment_tile_ranges.h"
 #include "timeline.h"
 #include "tma_encode.h"
@@ -97,12 +99,17 @@ __device__ __forceinline__ void store_dq_pair(T* dst, float x0, float x1, bool b
 // (they might alias), so loading and storing fragment by fragment left one
 // fragment in flight per warp and the pass at 1.4 TB/s (167 us for 16k tokens x
 // 2048 features, bf16, H100: 14% of the backward at N = 1k). (Before that, one
-// warp per dq row decoding the fragment order per element took 255 us.)
+// warp per dq row decoding the fragment order per element took 255 us.) With
+// `quads` (16-bit dq, rows 16-byte aligned, NF a multiple of 4), four
+// fragments' pairs are regrouped in each quad (quad_transpose) and go out as
+// one 16-byte store per lane: a quarter of the store instructions, each
+// covering 64 contiguous bytes of a row instead of 16.
 constexpr int kPostBatch = 8;  // the sm_90 grid's part: 1 x 8 fragments
+static_assert(kPostBatch % 4 == 0, "whole groups of four fragments");
 
 template <class T>
 __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_constant__ AttentionParams p,
-                                                                  const BwdRuntime rt, bool pairs) {
+                                                                  const BwdRuntime rt, bool pairs, bool quads) {
   const int lane = threadIdx.x % 32, pass_warp = threadIdx.x / 32;
   const int64_t linear = blockIdx.x / rt.q_tiles, m0 = (blockIdx.x - linear * rt.q_tiles) * rt.dq.block_m;
   const int64_t q_len = instance_bounds(p, linear).q_len;
@@ -121,7 +128,8 @@ __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_c
   for (int part = pass_warp; part < g.chunks * g.warps; part += kPassThreads / 32) {
     const int chunk = part / g.warps, warp = part - chunk * g.warps;
     const int row0 = (warp / g.warps_n) * g.rows + lane / 4;
-    const int col0 = chunk * g.chunk_cols + (warp % g.warps_n) * g.cols + 2 * (lane % 4);
+    const int cols0 = chunk * g.chunk_cols + (warp % g.warps_n) * g.cols;  // the warp block's first column
+    const int col0 = cols0 + 2 * (lane % 4);
     const float* const src = tile + static_cast<int64_t>(part) * part_floats + lane;
     for (int f0 = 0; f0 < frags; f0 += kPostBatch) {
       float x[kPostBatch][4];
@@ -132,19 +140,40 @@ __global__ void __launch_bounds__(kPassThreads) backward_postpass(const __grid_c
         for (int e = 0; e < 4; ++e) x[j][e] = live ? __ldcs(src + (f0 + j) * 128 + 32 * e) : 0.f;  // read once
       }
 #pragma unroll
-      for (int j = 0; j < kPostBatch; ++j) {
-        if (f0 + j >= frags) break;
-        const int mf = (f0 + j) / g.nf, col = col0 + 8 * ((f0 + j) - mf * g.nf);
-        if (col >= head_dim) continue;
-        const bool both = col + 1 < head_dim;
+      for (int j0 = 0; j0 < kPostBatch; j0 += 4) {  // four fragments of one m-fragment (quads)
+        if (f0 + j0 >= frags) break;
+        const int mf0 = (f0 + j0) / g.nf, group_col = cols0 + 8 * ((f0 + j0) - mf0 * g.nf);
+        if constexpr (sizeof(T) == 2) {
+          if (quads && group_col + 32 <= head_dim) {  // (warp-uniform: every lane shuffles)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t t = m0 + row0 + 16 * mf + 8 * h;
-          if (t >= p.seqlen_q) continue;
-          const float k = t < q_len ? scale : 0.f;  // rows past q_len: exactly 0
-          const int64_t at = t * p.dq.row_stride + col;
-          if (f32) store_dq_pair(dq_f32 + at, x[j][2 * h] * k, x[j][2 * h + 1] * k, both, pairs);
-          else store_dq_pair(dq + at, x[j][2 * h] * k, x[j][2 * h + 1] * k, both, pairs);
+            for (int h = 0; h < 2; ++h) {
+              const int64_t t = m0 + row0 + 16 * mf0 + 8 * h;
+              const float k = t < q_len ? scale : 0.f;  // rows past q_len: exactly 0
+              uint32_t words[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) words[i] = pack2(x[j0 + i][2 * h] * k, x[j0 + i][2 * h + 1] * k, T{});
+              const uint4 row_words = quad_transpose(words, lane);
+              if (t < p.seqlen_q)
+                *reinterpret_cast<uint4*>(dq + t * p.dq.row_stride + group_col + 8 * (lane % 4)) = row_words;
+            }
+            continue;
+          }
+        }
+#pragma unroll
+        for (int j = j0; j < j0 + 4; ++j) {
+          if (f0 + j >= frags) break;
+          const int mf = (f0 + j) / g.nf, col = col0 + 8 * ((f0 + j) - mf * g.nf);
+          if (col >= head_dim) continue;
+          const bool both = col + 1 < head_dim;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int64_t t = m0 + row0 + 16 * mf + 8 * h;
+            if (t >= p.seqlen_q) continue;
+            const float k = t < q_len ? scale : 0.f;  // rows past q_len: exactly 0
+            const int64_t at = t * p.dq.row_stride + col;
+            if (f32) store_dq_pair(dq_f32 + at, x[j][2 * h] * k, x[j][2 * h + 1] * k, both, pairs);
+            else store_dq_pair(dq + at, x[j][2 * h] * k, x[j][2 * h + 1] * k, both, pairs);
+          }
         }
       }
     }
@@ -178,8 +207,9 @@ cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const B
   // dq's elements: float32 with a scale operand (the scaled query's gradient), else T.
   const int dq_bytes = p.has(kScaleOperand) ? 4 : static_cast<int>(sizeof(T));
   const bool pairs = rows_aligned(p, p.dq, dq_bytes, 2 * dq_bytes);
+  const bool quads = dq_bytes == 2 && rt.dq.nf % 4 == 0 && rows_aligned(p, p.dq, 2, 16);
   if (post_blocks > 0)
-    backward_postpass<T><<<static_cast<unsigned>(post_blocks), kPassThreads, 0, stream>>>(p, rt, pairs);
+    backward_postpass<T><<<static_cast<unsigned>(post_blocks), kPassThreads, 0, stream>>>(p, rt, pairs, quads);
   return cudaGetLastError();
 }
 

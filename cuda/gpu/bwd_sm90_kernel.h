@@ -253,16 +253,13 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
 }
 
 // dK (x scale) or dV (x dv_scale) of a warp's 16 key rows, from its accumulator straight to
-// global memory (`dst`: the tile's first row; rows from `rows` on are not written). Each
-// quad of lanes holds 8 columns of a row per fragment, 2 per lane; after the quad exchanges
-// four fragments' words (a 4 x 4 transpose by XOR shuffles) each lane stores 16 bytes, one
-// fragment's columns, and a quad's four stores cover 64 contiguous bytes of the row. With
-// `vec` false (rows not 16-byte aligned) each element goes alone. No shared memory and no
-// barrier: the producer may load the next item's K / V meanwhile.
+// global memory (`dst`: the tile's first row; rows from `rows` on are not written), 16 bytes
+// per lane and store after a quad_transpose of four fragments. With `vec` false (rows not
+// 16-byte aligned) each element goes alone. No shared memory and no barrier: the producer
+// may load the next item's K / V meanwhile.
 template <class T, int D>
 __device__ __forceinline__ void store_key_rows(const Acc<D>& acc, float scale, T* dst, int64_t row_stride,
                                                int warp_row0, int64_t rows, bool vec, int lane) {
-  const int q = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // the lane's rows warp_row0 + lane / 4 (+ 8)
     const int row = warp_row0 + frag_row(0, 2 * h, lane);
@@ -277,21 +274,12 @@ __device__ __forceinline__ void store_key_rows(const Acc<D>& acc, float scale, T
     }
 #pragma unroll
     for (int g = 0; g < D / 32; ++g) {  // fragments 4 g .. 4 g + 3: columns 32 g .. 32 g + 31
-      uint32_t x[4], y[4] = {};
+      uint32_t x[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         x[j] = pack2(acc[0][4 * g + j][2 * h] * scale, acc[0][4 * g + j][2 * h + 1] * scale, T{});
-      // Lane q gathers fragment 4 g + q of its row: word j from quad lane j.
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const int send = q ^ s;  // the partner q ^ s wants this lane's word of fragment 4 g + (q ^ s)
-        const uint32_t out = send == 0 ? x[0] : send == 1 ? x[1] : send == 2 ? x[2] : x[3];
-        const uint32_t in = __shfl_xor_sync(0xffffffffu, out, s);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) y[j] = j == send ? in : y[j];
-      }
-      if (row < rows)
-        *reinterpret_cast<uint4*>(dst + row * row_stride + 8 * (4 * g + q)) = make_uint4(y[0], y[1], y[2], y[3]);
+      const uint4 words = quad_transpose(x, lane);
+      if (row < rows) *reinterpret_cast<uint4*>(dst + row * row_stride + 8 * (4 * g + lane % 4)) = words;
     }
   }
 }

@@ -41,6 +41,25 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t add
 __device__ __forceinline__ int frag_row(int mf, int i, int lane) { return 16 * mf + (lane >> 2) + 8 * (i >> 1); }
 __device__ __forceinline__ int frag_col(int nf, int i, int lane) { return 8 * nf + 2 * (lane & 3) + (i & 1); }
 
+// Four n-fragments' words of one row (x[j]: fragment j's columns 2t, 2t + 1 as
+// a 16-bit pair, t = lane % 4) regrouped within the quad, a 4 x 4 transpose by
+// XOR shuffles: lane t gets fragment t's 8 columns, words from quad lanes
+// 0..3, for one 16-byte store; the quad's four stores cover the fragments' 32
+// contiguous columns (64 bytes) where the pairs took eight 16-byte pieces of
+// eight rows per instruction. Every lane of the warp calls it.
+__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&x)[4], int lane) {
+  const int t = lane & 3;
+  uint32_t y[4] = {};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int j = t ^ s;  // the partner's fragment: it sends this lane's word of fragment t
+    const uint32_t in = __shfl_xor_sync(0xffffffffu, j == 0 ? x[0] : j == 1 ? x[1] : j == 2 ? x[2] : x[3], s);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) y[k] = k == j ? in : y[k];
+  }
+  return make_uint4(y[0], y[1], y[2], y[3]);
+}
+
 enum class AOrder { kMK, kKM };
 enum class BOrder { kNK, kKN };
 
