@@ -236,17 +236,14 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
       add(stage, turn.tile, turn.target);
     }
   } else {
-    const int64_t n0 = key_tile * BN;
 #pragma unroll 1
     for (int64_t r = 0; r < rt.kv_reduced; ++r) {
-      const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
-      const InstanceBounds b = instance_bounds(p, linear);
-      const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
+      const GroupInstance g = group_instance<BM, BN, false>(p, rt, kept, r, key_tile, 0);
 #pragma unroll 1
-      for (int64_t i = rows.lo / BM; rows.lo < rows.hi && i <= (rows.hi - 1) / BM; ++i, ++n) {
+      for (int64_t i = g.first; i <= g.last; ++i, ++n) {
         const Stage<2> stage(n);
         mbar_wait(full + stage.index, stage.parity);
-        add(stage, linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, false, 0));
+        add(stage, g.linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, g.b, g.linear, i, key_tile, false, 0));
       }
     }
   }
@@ -389,16 +386,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 #pragma unroll 1
     for (int64_t r = 0; r < rt.kv_reduced; ++r) {
-      const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
-      const InstanceBounds b = instance_bounds(p, linear);
-      const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
-      if (rows.lo >= rows.hi) continue;
-      const int64_t i_last = (rows.hi - 1) / BM;
+      const GroupInstance g = group_instance<BM, BN, kIds>(p, rt, kept, r, key_tile, lane);
+      const int64_t linear = g.linear, i_last = g.last, i_begin = g.first;
+      const InstanceBounds& b = g.b;
+      if (i_begin > i_last) continue;  // no Q tile to visit (ids that cannot meet): no dQ turn either
       auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
         return visited_q_tile<kIds>(rt, linear, i, i_last, key_tile, lane);
       };
-      const int64_t i_begin = visit_from(rows.lo / BM);
-      if (i_begin > i_last) continue;  // no Q tile shares an id with these keys: no dQ turn either
       const InstanceIndex inst(p, linear);
       const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
       // Dropout: the pair (cuda/dropout.h) of the lane's keys s and s + 8 (warp_key0 is a

@@ -76,6 +76,26 @@ __device__ __forceinline__ int64_t visited_q_tile(const BwdRuntime& rt, int64_t 
   return kIds ? rt.segments.next_meeting_q_tile(linear, i, i_last, key_tile, lane) : i;
 }
 
+// Instance r of an item's GQA group (kept instance `kept`, keys from n0) as the three roles
+// walk it: its index, bounds, and the Q tiles [first, last] its keys see (first > last: none;
+// with kIds the first whose ids may meet the key tile's, a ballot of the whole warp).
+struct GroupInstance {
+  int64_t linear;
+  InstanceBounds b;
+  int64_t first, last;
+};
+template <int BM, int BN, bool kIds>
+__device__ __forceinline__ GroupInstance group_instance(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
+                                                        int64_t r, int64_t key_tile, int lane) {
+  GroupInstance g;
+  g.linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
+  g.b = instance_bounds(p, g.linear);
+  const KeyRange rows = visible_queries(p, g.b, key_tile * BN, key_tile * BN + BN);
+  g.last = rows.lo < rows.hi ? (rows.hi - 1) / BM : -1;
+  g.first = rows.lo < rows.hi ? visited_q_tile<kIds>(rt, g.linear, rows.lo / BM, g.last, key_tile, lane) : 0;
+  return g;
+}
+
 // The loads' shared memory (the offsets of BwdSm90Config, from its 1024-byte
 // aligned base): stage s holds Q and dO, lse2 and delta, a word per row; then
 // K and V, and at kLoadBarsOff the mbarriers (the stages' full 0, 1 and empty
@@ -167,12 +187,9 @@ __device__ __forceinline__ void load_item(const AttentionParams& p, const BwdRun
   bool kv_loaded = false;  // this item's K / V
 #pragma unroll 1
   for (int64_t r = 0; r < rt.kv_reduced; ++r) {
-    const int64_t linear = compose_instance(p, rt.kv_reduce_mask, kept, r);
-    const InstanceBounds b = instance_bounds(p, linear);
-    const KeyRange rows = visible_queries(p, b, n0, n0 + BN);
-    if (rows.lo >= rows.hi) continue;
-    const int64_t i_last = (rows.hi - 1) / BM;
-    int64_t i = visited_q_tile<kIds>(rt, linear, rows.lo / BM, i_last, key_tile, lane);
+    const GroupInstance g = group_instance<BM, BN, kIds>(p, rt, kept, r, key_tile, lane);
+    const int64_t linear = g.linear, i_last = g.last;
+    int64_t i = g.first;
     if (i > i_last) continue;  // (as the consumers: no tile, no K / V)
     if (!kv_loaded || rt.kv_per_instance) {
       kv_loaded = true;
