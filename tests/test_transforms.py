@@ -169,6 +169,12 @@ VMAP_CASES = {
         dict(query=(E, B, T, N, H), key=(E, B, S, N, H), value=(E, B, S, N, H),
              query_seq_lengths=(E, B), key_value_seq_lengths=(E, B)),
         layers=((0, 0),), static=dict(is_causal=True, return_residual=True)),
+    # K/V shared by every item (unbatched: stride 0, their gradients summed) while the key
+    # lengths are per item: the instances that share one key tile see different keys of it.
+    "kv_unbatched_lengths_batched": VmapCase(
+        dict(query=(E, B, T, N, H), key=(B, S, N, H), value=(B, S, N, H),
+             query_seq_lengths=(E, B), key_value_seq_lengths=(E, B)),
+        layers=(((0, None, None, 0, 0), 0),), static=dict(is_causal=True)),
     # ... with sequence lengths shared by every item (unbatched).
     "extra_leading_axis_4d_shared_lengths": VmapCase(
         dict(query=(E, B, T, N, H), key=(E, B, S, N, H), value=(E, B, S, N, H),

@@ -995,6 +995,17 @@ int main(int argc, char** argv) {
       dslope(four_axes({"bf16 causal GQA N4 K2 T150 S150 H64", bf16, 4, 4, 2, 150, 150, 64, kUnb, 0})),
       traced(dslope({"bf16 GQA N8 K2 causal lens T100 S150 H128 + dlse", bf16, 3, 8, 2, 100, 150, 128, kUnb, 0,
                      false, Bias::kNone, false, Mask::kNone, true, true})),
+      // More key tiles than an H100 has SMs, twice over: on Hopper each persistent CTA of the sm_90
+      // kernel computes several items in turn (K / V reloaded into the same shared memory, the
+      // rings' phases running on). GQA with lengths (an instance with no keys: items that load
+      // nothing), causal with T < S (key tiles no query sees), segment ids (the copy whose
+      // consumers name the dQ turns, an end mark per item). Last in the list, so that the cases
+      // before draw the same inputs.
+      {"bf16 many key tiles GQA lens N16 K4 T64 S1152 H128", bf16, 12, 16, 4, 64, 1152, 128, kUnb, kUnb, false,
+       Bias::kNone, false, Mask::kNone, true},
+      {"f16 many key tiles causal T130 S700 H64", f16, 8, 16, 16, 130, 700, 64, kUnb, 0},
+      with_segments({"f16 many key tiles segments docs GQA N8 K2 T128 S1024 H128", f16, 16, 8, 2, 128, 1024, 128},
+                    Segments::kDocs),
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
