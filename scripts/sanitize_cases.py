@@ -3,7 +3,8 @@
 scripts/gpu_check.sh runs this under memcheck and racecheck with
 XLA_PYTHON_CLIENT_ALLOCATOR=platform (so every buffer is its own allocation
 and an out-of-bounds access is not hidden inside XLA's pool), checking only
-jaxflash's kernels. Every case is small: instrumented kernels run 10-100x slower.
+jaxflash's kernels. Every case is small (the largest has a few hundred tiles): instrumented
+kernels run 10-100x slower.
 """
 
 import jax
@@ -32,6 +33,9 @@ CASES = (
     # the soft-cap copy's too.
     ("bfloat16", (3, 90, 4, 64), (3, 130, 2, 64), dict(is_causal=True, alibi=True, lengths=True)),
     ("float16", (1, 77, 2, 128), (1, 77, 1, 128), dict(alibi=True, logits_soft_cap=2.0)),
+    # More backward key tiles (3 x 8 x 18 = 432) than an H100 has SMs, twice over: several per
+    # CTA of a persistent kernel, with lengths (an instance without keys) and GQA.
+    ("bfloat16", (3, 128, 16, 128), (3, 2200, 8, 128), dict(lengths=True)),
 )
 
 
