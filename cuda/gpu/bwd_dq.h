@@ -172,9 +172,8 @@ __device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
 // Unlike the warps' turns above, the signal is not deferred: the writer has
 // nothing else to do while the reduction completes (its consumers got their
 // stage back already), and deferring it to the next tile's turn held the next
-// key tile's writer back by a whole tile of the consumers' compute, a lag that
-// each key tile of an instance in flight added to the one before it
-// (docs/DESIGN.md, the dQ writer).
+// key tile's writer back until this CTA's consumers had staged their next tile
+// (docs/DESIGN.md, the dQ writer: 1.01-1.05x on the H100).
 __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int bytes, int* sem, int target,
                                             uint64_t* stage_empty) {
   spin_until(sem, target);
