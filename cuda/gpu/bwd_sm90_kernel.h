@@ -273,10 +273,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (threadIdx.x == 0) JF_TIMELINE_NOW(rt, kTlStart);
   const KeyTileTicket ticket = take_key_tile(rt, threadIdx.x);  // (its CTA barrier covers the inits)
 #ifdef JAXFLASH_BWD_TIMELINE
-  if (threadIdx.x == 0) {
-    JF_TIMELINE(rt, kTlTicket, static_cast<unsigned long long>(ticket.kept) << 20 | ticket.key_tile);
-    JF_TIMELINE(rt, kTlSm, smid());
-  }
+  if (threadIdx.x == 0) JF_TIMELINE(rt, kTlSm, smid());
 #endif
   // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
   const int64_t kept = ticket.kept, key_tile = ticket.key_tile;

@@ -14,16 +14,15 @@ namespace jaxflash::gpu {
 
 enum BwdTimelineEvent : int {
   kTlStart = 0,       // thread 0, before the ticket
-  kTlTicket = 1,      // value: kept instance << 20 | key tile
-  kTlKvIssue = 2,     // consumer 0: about to copy the first K / V tile (ticket, setup done)
-  kTlKvLoaded = 3,    // consumer 0: the first K / V tile in shared memory
-  kTlFirstQ = 4,      // consumer 0: the first Q tile's stage has landed
-  kTlLoopDone = 5,    // consumer 0: its last Q tile handed to the writer
-  kTlEpiSynced = 6,   // consumer 0: both warpgroups at the epilogue's first barrier
-  kTlEpiStaged = 7,   // consumer 0: dK / dV staged in shared memory
-  kTlEpiStored = 8,   // consumer 0: its dK / dV stores issued
-  kTlWriterDone = 9,  // the dQ writer: its last turn signalled
-  kTlSm = 10,         // value: the SM's id
+  kTlKvIssue = 1,     // consumer 0: about to copy the first K / V tile (ticket, setup done)
+  kTlKvLoaded = 2,    // consumer 0: the first K / V tile in shared memory
+  kTlFirstQ = 3,      // consumer 0: the first Q tile's stage has landed
+  kTlLoopDone = 4,    // consumer 0: its last Q tile handed to the writer
+  kTlEpiSynced = 5,   // consumer 0: both warpgroups at the epilogue's first barrier
+  kTlEpiStaged = 6,   // consumer 0: dK / dV staged in shared memory
+  kTlEpiStored = 7,   // consumer 0: its dK / dV stores issued
+  kTlWriterDone = 8,  // the dQ writer: its last turn signalled
+  kTlSm = 9,          // value: the SM's id
   kTlEvents = 16,     // a CTA's row
   kTlCtas = 8192,     // rows: CTAs past these wrap
 };
