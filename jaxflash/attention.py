@@ -293,13 +293,14 @@ def _wanting_dscale(config: KernelConfig) -> KernelConfig:
       flags=config.flags | Flag.HAS_DSCALE)
 
 
-def _centre_config(config: KernelConfig) -> KernelConfig:
+def _centre_config(config: KernelConfig, v_layout: Layout | None = None) -> KernelConfig:
   """The forward config of attention(q, k, v=k) with `config`'s logits (bias, masks, lengths,
   window, segment ids, ALiBi, the scale), without dropout and with o in float32: its output row
-  i is Σⱼ Pᵢⱼ kⱼ, P the softmax that the backward recomputes (before dropout)."""
+  i is Σⱼ Pᵢⱼ kⱼ, P the softmax that the backward recomputes (before dropout). `v_layout`: v's
+  own layout where v is not k (with k's head dim: _mean_keys' key positions)."""
   T, S, H, _ = config.seq_dims
   layouts = {slot: layout for slot, layout in config.layouts if slot != "seed"}
-  layouts.update(v=layouts["k"], o=with_cols(layouts["o"], H))
+  layouts.update(v=layouts["k"] if v_layout is None else v_layout, o=with_cols(layouts["o"], H))
   return config.replace(layouts=tuple(sorted(layouts.items())), seq_dims=(T, S, H, H),
                         flags=(config.flags | Flag.OUTPUT_F32) & ~Flag.DROPOUT,
                         keep_threshold=0, keep_scale=1.0)
@@ -361,7 +362,8 @@ def _mean_keys(q, k, optional, config: KernelConfig):
   positions = jnp.arange(S, dtype=jnp.float32) * np.float32(2.0 ** -shift)
   v = jnp.broadcast_to(positions[:, None], (S, H)).astype(q.dtype)
   optional = tuple(None if slot == "seed" else x for x, slot in zip(optional, OPTIONAL_INPUTS))
-  out32, lse2 = _bind_forward(q, k, v, optional, _alibi_centre_config(config))
+  # v: an (S, H) array shared by every instance (no instance axes: stride 0).
+  out32, lse2 = _bind_forward(q, k, v, optional, _centre_config(config, ((ROW, S), (COL, H))))
   # Every feature holds the same mean. Reductions over the features rather than out32[..., 0],
   # whose batching rule moves a vmapped axis to the front (a transpose in the compiled program);
   # lse2's pair is (-inf, 0) on the rows that see no key.
@@ -375,18 +377,6 @@ def _alibi_centres(mean_key, sees_key, optional, config: KernelConfig):
   (whose dS sums to 0, not to dlse). Needed only where the lse is differentiated."""
   rows = drop_col(config.layout("o"))  # delta's layout
   return jnp.abs(mean_key - _diagonal_keys(config, optional, rows)) * sees_key
-
-
-def _alibi_centre_config(config: KernelConfig) -> KernelConfig:
-  """The forward config of attention(q, k, v = key positions) with `config`'s logits: v is an
-  (S, H) array shared by every instance (no instance axes: stride 0), o has H features (float32),
-  no dropout."""
-  T, S, H, _ = config.seq_dims
-  layouts = {slot: layout for slot, layout in config.layouts if slot != "seed"}
-  layouts.update(v=((ROW, S), (COL, H)), o=with_cols(layouts["o"], H))
-  return config.replace(layouts=tuple(sorted(layouts.items())), seq_dims=(T, S, H, H),
-                        flags=(config.flags | Flag.OUTPUT_F32) & ~Flag.DROPOUT,
-                        keep_threshold=0, keep_scale=1.0)
 
 
 def _diagonal_keys(config: KernelConfig, optional, rows: Layout):

@@ -147,7 +147,8 @@ __device__ __forceinline__ void add_dq_chunk(const float (&dq)[MF][NF][4], float
 #endif
 }
 
-// The warp's last pending signal, before the CTA exits.
+// The warp's last pending signal, before the CTA exits (the sm_90 writer's
+// signal of each turn too).
 __device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
   if (pending == nullptr) return;
 #if JF_BWD_DQ_BULK
@@ -183,9 +184,7 @@ __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int
   bulk_commit();
   bulk_wait_reads();
   mbar_arrive_if(stage_empty, true);
-  bulk_wait_all();
-  fence_proxy_async_global();
-  red_release_gpu(sem, 1);
+  flush_dq_turn(sem, 0);
 }
 
 }  // namespace jaxflash::gpu
