@@ -7,7 +7,9 @@
 # figures.
 #
 #   scripts/ab_kernels.sh A_DIR [ROUNDS] [fwd|bwd|bwd_mma ...]   (default: 3 rounds, fwd)
-# (bwd_mma: the backward without its sm_90 kernel.)
+# (bwd_mma: the backward without its sm_90 kernel.) A side whose directory already holds the
+# self-test binaries (A_DIR, or for B the JAXFLASH_PREBUILT folder: scripts/build_prebuilt.sh)
+# runs those instead of building.
 set -euo pipefail
 A_SRC=$(cd "$1" && pwd)
 ROUNDS=${2:-3}
@@ -17,12 +19,22 @@ B_SRC=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jaxflash_out}
 mkdir -p "$OUT"
 targets=$(printf '%s_selftest ' "${DIRECTIONS[@]}")
+declare -A BIN  # each side's folder of self-test binaries
 for side in A B; do
+  src=$([ $side = A ] && echo "$A_SRC" || echo "${JAXFLASH_PREBUILT:+$(cd "$JAXFLASH_PREBUILT" && pwd)}")
+  prebuilt=1
+  for t in $targets; do [ -n "$src" ] && [ -f "$src/$t.xz" ] || prebuilt=0; done
+  if [ $prebuilt = 1 ]; then
+    python3 "$B_SRC/scripts/prebuilt.py" unpack "$src" "/tmp/ab_$side" >/dev/null
+    BIN[$side]=/tmp/ab_$side
+    continue
+  fi
   src=$([ $side = A ] && echo "$A_SRC" || echo "$B_SRC")
   cmake -S "$src" -B "/tmp/ab_$side" -G Ninja -DJAXFLASH_CUDA=ON -DJAXFLASH_BUILD_SELFTESTS=ON \
     -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/ab_configure_$side.log"
   # shellcheck disable=SC2086
   cmake --build "/tmp/ab_$side" -j 16 --target $targets >"$OUT/ab_build_$side.log"
+  BIN[$side]=/tmp/ab_$side
 done
 for round in $(seq "$ROUNDS"); do
   for side in A B; do
@@ -30,7 +42,7 @@ for round in $(seq "$ROUNDS"); do
       # The forward's "bench" runs its correctness cases first (3 s): both sides must pass them.
       # The backward's take a minute, so it times only; gpu_check.sh runs them.
       mode=$([ "$dir" = fwd ] && echo bench || echo bench-only)
-      "/tmp/ab_$side/${dir}_selftest" "$mode" | grep "TFLOP/s" | sed "s/^/$side $dir /" >>"$OUT/ab_kernels.txt"
+      "${BIN[$side]}/${dir}_selftest" "$mode" | grep "TFLOP/s" | sed "s/^/$side $dir /" >>"$OUT/ab_kernels.txt"
     done
   done
 done

@@ -13,6 +13,10 @@
 #   scripts/gpu_check.sh quick   build and the GPU test suite only
 #   scripts/gpu_check.sh quick multi   modes combine: one build, each mode's steps
 #
+# JAXFLASH_PREBUILT=DIR (a folder in the checkout, carried to the device): install DIR's wheel
+# and run DIR's self-test binaries instead of building here, saving the device the ~150 s build
+# (scripts/build_prebuilt.sh makes DIR on a machine without a GPU).
+#
 # The halves fit the device tool's 10-minute calls. Builds for the visible GPU
 # only (sm_90a on an H100/H200); CI compiles sm_80 and sm_90a. The CPU backend's
 # tests run in CI (.ci/run), so here pytest selects the CUDA ones (-k cuda).
@@ -55,9 +59,19 @@ cd "$REPO"
 # The README's install: with JAXFLASH_CUDA=auto it builds CUDA for the visible GPU only
 # (sm_90a on an H100/H200); the build log's "-- jaxflash:" lines say what was built.
 BUILD_DIR=/tmp/jaxflash_build  # kept, so that the self-tests reuse the kernels' objects
-step build build.log 420 env CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps \
-  -Cbuild-dir=$BUILD_DIR . || { echo "build failed"; exit 1; }
-grep -E "^ *-- jaxflash" "$OUT/build.log" | tee -a "$OUT/device.txt"
+PREBUILT=${JAXFLASH_PREBUILT:+$(cd "$JAXFLASH_PREBUILT" && pwd)}
+if [ -n "$PREBUILT" ]; then
+  step install build.log 120 python3 -m pip install -v --no-deps --force-reinstall "$PREBUILT"/jaxflash-*.whl \
+    || { echo "install of the prebuilt wheel failed"; exit 1; }
+  cat "$PREBUILT/build_info.txt" | tee -a "$OUT/device.txt"
+  SELFTEST_DIR=/tmp/jaxflash_prebuilt
+  python3 scripts/prebuilt.py unpack "$PREBUILT" "$SELFTEST_DIR" >/dev/null
+else
+  step build build.log 420 env CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps \
+    -Cbuild-dir=$BUILD_DIR . || { echo "build failed"; exit 1; }
+  grep -E "^ *-- jaxflash" "$OUT/build.log" | tee -a "$OUT/device.txt"
+  SELFTEST_DIR=$BUILD_DIR
+fi
 (cd /tmp && python3 -c "import jaxflash, jaxflash.kernels as k, os
 print('backends', jaxflash.backends(), 'built for', k._native.cuda_architectures,
       'extension %.1f MB' % (os.path.getsize(k._native.__file__) / 2**20))") | tee -a "$OUT/device.txt"
@@ -66,7 +80,7 @@ print('backends', jaxflash.backends(), 'built for', k._native.cuda_architectures
 # JAXFLASH_BUILD_SELFTESTS), in the extension's build tree: only the *_mma_selftest kernels
 # are new objects.
 if want tests; then
-  step selftest_build selftest_build.log 300 bash -c "cmake -S . -B $BUILD_DIR -DJAXFLASH_BUILD_SELFTESTS=ON && \
+  [ -n "$PREBUILT" ] || step selftest_build selftest_build.log 300 bash -c "cmake -S . -B $BUILD_DIR -DJAXFLASH_BUILD_SELFTESTS=ON && \
     cmake --build $BUILD_DIR -j 16 --target fwd_selftest fwd_mma_selftest bwd_selftest bwd_mma_selftest"
   # On a Hopper GPU the 16-bit D = 64 / 128 cases run the sm_90 kernels; the *_mma
   # self-tests build without them, so the mma.sync kernels that other GPUs run stay
@@ -74,7 +88,7 @@ if want tests; then
   # They run side by side (each is mostly its fp64 CPU reference; ~70 s together instead of
   # ~140 s in a row), which keeps the tests mode inside the device tool's 10-minute call.
   for name in fwd_selftest fwd_mma_selftest bwd_selftest bwd_mma_selftest; do
-    step "$name" "$name.log" 200 "$BUILD_DIR/$name" >"$OUT/$name.step" &
+    step "$name" "$name.log" 200 "$SELFTEST_DIR/$name" >"$OUT/$name.step" &
   done
   wait
   for name in fwd_selftest fwd_mma_selftest bwd_selftest bwd_mma_selftest; do
