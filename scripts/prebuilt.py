@@ -23,6 +23,7 @@ def repack(wheel):
         data = src.read(info)
         info.compress_type = zipfile.ZIP_LZMA if info.filename.endswith(".so") else zipfile.ZIP_DEFLATED
         dst.writestr(info, data)
+  os.chmod(tmp.name, 0o644)
   os.replace(tmp.name, wheel)
   print(f"{wheel}: {os.path.getsize(wheel) / 2**20:.1f} MiB")
 

@@ -250,23 +250,26 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
 }
 
 // dK (x scale) or dV (x dv_scale) of a warp's 16 key rows, from its accumulator straight to
-// global memory (`dst`: the tile's first row; rows from `rows` on are not written), 16 bytes
-// per lane and store after a quad_transpose of four fragments. With `vec` false (rows not
-// 16-byte aligned) each element goes alone. No shared memory and no barrier: the producer
-// may load the next item's K / V meanwhile.
+// global memory (`dst`: the tile's first row; rows from `rows` on and columns from `cols` on,
+// the head dim where the kernel's D pads it, are not written), 16 bytes per lane and store
+// after a quad_transpose of four fragments. With `vec` false (rows not 16-byte aligned, or
+// `cols` not a multiple of 8) each element goes alone. No shared memory and no barrier: the
+// producer may load the next item's K / V meanwhile.
 template <class T, int D>
 __device__ __forceinline__ void store_key_rows(const Acc<D>& acc, float scale, T* dst, int64_t row_stride,
-                                               int warp_row0, int64_t rows, bool vec, int lane) {
+                                               int warp_row0, int64_t rows, int cols, bool vec, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // the lane's rows warp_row0 + lane / 4 (+ 8)
     const int row = warp_row0 + frag_row(0, 2 * h, lane);
+    T* const dst_row = dst + row * row_stride;
     if (!vec) {
       if (row < rows)
 #pragma unroll
         for (int nf = 0; nf < D / 8; ++nf)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            dst[row * row_stride + frag_col(nf, e, lane)] = static_cast<T>(acc[0][nf][2 * h + e] * scale);
+            if (frag_col(nf, e, lane) < cols)
+              dst_row[frag_col(nf, e, lane)] = static_cast<T>(acc[0][nf][2 * h + e] * scale);
       continue;
     }
 #pragma unroll
@@ -275,8 +278,9 @@ __device__ __forceinline__ void store_key_rows(const Acc<D>& acc, float scale, T
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         x[j] = pack2(acc[0][4 * g + j][2 * h] * scale, acc[0][4 * g + j][2 * h + 1] * scale, T{});
-      const uint4 words = quad_transpose(x, lane);
-      if (row < rows) *reinterpret_cast<uint4*>(dst + row * row_stride + 8 * (4 * g + lane % 4)) = words;
+      const uint4 words = quad_transpose(x, lane);  // (every lane shuffles, whatever it stores)
+      const int col0 = 8 * (4 * g + lane % 4);  // the lane's 8 columns, all or none below cols
+      if (row < rows && col0 < cols) *reinterpret_cast<uint4*>(dst_row + col0) = words;
     }
   }
 }
@@ -616,10 +620,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlLoopDone);
     const InstanceIndex out(p, compose_instance(p, rt.kv_reduce_mask, kept, 0));  // dk/dv: stride 0 on the group
     const int64_t rows_out = min(p.seqlen_k - n0, int64_t{BN});
+    const int head_dim = static_cast<int>(p.head_dim);  // at most D: bwd_padded_head_dim
+    const bool whole_chunks = head_dim % 8 == 0;
     store_key_rows<T, D>(dk, rt.scale, out.origin<T>(p, p.dk) + n0 * p.dk.row_stride, p.dk.row_stride, warp_key0,
-                         rows_out, rt.dk_vec, lane);
+                         rows_out, head_dim, rt.dk_vec && whole_chunks, lane);
     store_key_rows<T, D>(dv, rt.dv_scale, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride,
-                         warp_key0, rows_out, rt.dv_vec, lane);
+                         warp_key0, rows_out, head_dim, rt.dv_vec && whole_chunks, lane);
     if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStored);
   }
 #else

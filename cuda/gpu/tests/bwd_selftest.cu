@@ -942,6 +942,13 @@ int main(int argc, char** argv) {
                                Segments::kDocs)),
       nan_padded({"bf16 lens (batch 1: q_len 0) GQA N4 K2 T6 S100 H64", bf16, 3, 4, 2, 6, 100, 64, kUnb, kUnb, false,
                   Bias::kNone, false, Mask::kNone, true}),
+      // Head dims the sm_90 kernel pads (to 64 / 128: bwd_padded_head_dim): the TMA zero-fills
+      // the columns past H, and dK / dV must stop at H (the pitch's pad columns and the next
+      // head's catch a store of the whole padded row).
+      nan_padded({"bf16 lens GQA N4 K2 causal T200 S230 H40", bf16, 3, 4, 2, 200, 230, 40, kUnb, 0, false,
+                  Bias::kNone, false, Mask::kNone, true}),
+      with_softcap({"bf16 window (30, 10) T160 S140 H120", bf16, 2, 2, 2, 160, 140, 120, 30, 10}, 2.f),
+      {"f16 causal T130 S260 H56", f16, 1, 2, 1, 130, 260, 56, kUnb, 0},
       four_axes({"bf16 causal GQA N4 K2 T150 S150 H64", bf16, 4, 4, 2, 150, 150, 64, kUnb, 0}),
       four_axes(nan_padded({"f16 lens T100 S120 H128", f16, 4, 2, 2, 100, 120, 128, kUnb, kUnb, false, Bias::kNone,
                             false, Mask::kNone, true})),
