@@ -267,11 +267,11 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   // Round i's buffers: the kv + i-th of the CTA's life.
   auto wait_k = [&](int i) {
     const Stage<S> st(kv + i);
-    mbar_wait_warp(sm.k_full(st.index), st.parity);
+    mbar_wait(sm.k_full(st.index), st.parity);
   };
   auto wait_v = [&](int i) {
     const Stage<S> st(kv + i);
-    mbar_wait_warp(sm.v_full(st.index), st.parity);
+    mbar_wait(sm.v_full(st.index), st.parity);
     if (i == 0 && zero_v) {
       if (wg == 0) {
         zero_rows(sm.v(st.index), pos.kv_len - top, pad_end - top, tid, 128);
@@ -325,7 +325,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
   };
 
-  mbar_wait_warp(sm.q_full(), n & 1u);
+  mbar_wait(sm.q_full(), n & 1u);
   // Warpgroup 0 goes first. Each query tile's turns balance on both barriers
   // (warpgroup 1's last turn hands over none), so the next tile starts afresh.
   if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
@@ -384,12 +384,12 @@ __device__ __forceinline__ void forward_sm90_pass(const AttentionParams& p, cons
   const bool zero_v = pos.kv_len < min(top + BN, static_cast<int>(p.seqlen_k));  // as the consumers'
   auto pass_k = [&](int i) {
     const Stage<S> st(kv + i);
-    mbar_wait_warp(sm.k_full(st.index), st.parity);
+    mbar_wait(sm.k_full(st.index), st.parity);
     mbar_arrive_if(sm.k_empty(st.index), lane == 0);
   };
   auto pass_v = [&](int i) {
     const Stage<S> st(kv + i);
-    mbar_wait_warp(sm.v_full(st.index), st.parity);
+    mbar_wait(sm.v_full(st.index), st.parity);
     if (i == 0 && zero_v) named_sync(kZeroVBarrier, Cfg::kConsumerThreads);
     mbar_arrive_if(sm.v_empty(st.index), lane == 0);
   };
@@ -400,7 +400,7 @@ __device__ __forceinline__ void forward_sm90_pass(const AttentionParams& p, cons
     }
   };
 
-  mbar_wait_warp(sm.q_full(), n & 1u);
+  mbar_wait(sm.q_full(), n & 1u);
   if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
   pass_k(0);  // round 0
   turn(false);

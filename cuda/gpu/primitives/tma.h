@@ -82,17 +82,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
-// mbar_wait by a whole warp that goes on to an aligned barrier instruction
-// (bar.sync / bar.arrive: named_sync, named_arrive, which need the warp
-// converged): the try-wait loop is a branch inside inline asm, which the
-// compiler cannot reconverge, so the lanes may leave it at different times.
-// compute-sanitizer's synccheck reported the sm_90 forward's turn barrier
-// reached by a diverged warp (docs/DESIGN.md).
-__device__ __forceinline__ void mbar_wait_warp(uint64_t* bar, uint32_t parity) {
-  mbar_wait(bar, parity);
-  __syncwarp();
-}
-
 // Tile i's buffer of an S-buffer mbarrier pipeline and the parity of its use
 // of it (the phase a consumer waits for on "full"; a producer waits for the
 // other parity on "empty").
