@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (tile.m0 + 64 * wg < pos.q_len)
           forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, wg, ctid % 128, n, kv);
         else  // rows all past the query length: nothing to compute
-          forward_sm90_pass<Cfg>(p, pos, sm, walk, top, wg, lane, n, kv);
+          forward_sm90_pass<Cfg>(sm, walk, top, wg, lane, n, kv);
       } else {
         // Q's phase completed without a load: nothing to read, and with O in a buffer of
         // its own nothing to wait for before releasing it.

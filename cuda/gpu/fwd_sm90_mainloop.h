@@ -255,6 +255,11 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   // in the padding would reach O).
   const int pad_end = min(top + BN, static_cast<int>(p.seqlen_k));
   const bool zero_v = pos.kv_len < pad_end;
+  // Warpgroup 0 zeroes them; the warpgroups that read V (those whose rows start before the
+  // query length: forward_sm90_pass reads none) meet it at a barrier of their own threads.
+  // (With the idle ones in it too, as first written, the barrier's threads reached it from two
+  // functions' instructions, which compute-sanitizer's synccheck reports as divergent.)
+  const int v_readers = 128 * min(Cfg::kConsumerThreads / 128, (pos.q_len - m0 + 63) / 64);
 
   const GmmaOperand<typename Cfg::QTile, false> q_op(sm.q(), 64 * wg);
   Acc<BN> s;
@@ -277,7 +282,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
         zero_rows(sm.v(st.index), pos.kv_len - top, pad_end - top, tid, 128);
         fence_proxy_async_shared();  // the zeros, before the tensor cores read them
       }
-      named_sync(kZeroVBarrier, Cfg::kConsumerThreads);
+      named_sync(kZeroVBarrier, v_readers);
     }
   };
   // With kPingPong a warpgroup issues only in its turn and then hands the
@@ -372,16 +377,15 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
 // (the last tile of a sequence that BLOCK_M does not divide: at D = 64, N = 1k, the
 // last 192-row tile has 64 rows): it computes nothing, and its rows keep O = 0 and
 // lse = -inf, as fully masked rows do. It keeps forward_sm90_consume's protocol (the
-// same waits, arrivals, ping-pong turns and barriers, round by round), so that every
+// same waits, arrivals and ping-pong turns, round by round; not the zeroed-V barrier, which
+// is the readers' of V), so that every
 // stage is released and the other consumers' turns and barriers come as they would.
 // Its arrivals may come before the computing warpgroups' do: each follows its wait
 // for the stage's phase, which is the one the producer counts them towards.
 template <class Cfg>
-__device__ __forceinline__ void forward_sm90_pass(const AttentionParams& p, const Positions& pos,
-                                                  const FwdSm90Smem<Cfg>& sm, const KeyTileWalk<Cfg>& walk,
+__device__ __forceinline__ void forward_sm90_pass(const FwdSm90Smem<Cfg>& sm, const KeyTileWalk<Cfg>& walk,
                                                   int top, int wg, int lane, uint32_t n, uint32_t& kv) {
-  constexpr int BN = Cfg::kBlockN, S = Cfg::kStages;
-  const bool zero_v = pos.kv_len < min(top + BN, static_cast<int>(p.seqlen_k));  // as the consumers'
+  constexpr int S = Cfg::kStages;
   auto pass_k = [&](int i) {
     const Stage<S> st(kv + i);
     mbar_wait(sm.k_full(st.index), st.parity);
@@ -390,7 +394,6 @@ __device__ __forceinline__ void forward_sm90_pass(const AttentionParams& p, cons
   auto pass_v = [&](int i) {
     const Stage<S> st(kv + i);
     mbar_wait(sm.v_full(st.index), st.parity);
-    if (i == 0 && zero_v) named_sync(kZeroVBarrier, Cfg::kConsumerThreads);
     mbar_arrive_if(sm.v_empty(st.index), lane == 0);
   };
   auto turn = [&](bool last_turn) {

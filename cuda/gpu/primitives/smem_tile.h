@@ -254,11 +254,6 @@ __device__ __forceinline__ void zero_rows(const Tile& tile, int row0, int row_en
     if (c < row_end * kChunks)
       *reinterpret_cast<uint4*>(tile.ptr + Tile::chunk_offset(c / kChunks, c % kChunks)) = make_uint4(0, 0, 0, 0);
   }
-  // Every caller goes on to a named barrier (bar.sync), which needs its warps converged: the
-  // compiler turns the loop into one over c, whose lanes leave at different iterations where the
-  // chunks end inside a warp (compute-sanitizer's synccheck: "Divergent thread(s)" at the sm_90
-  // forward's zeroed-V barrier).
-  __syncwarp();
 }
 
 // Tile rows [row0, row0 + kRowsPerCopy) -> global `dst` (first of those rows),
