@@ -19,22 +19,19 @@ B_SRC=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jaxflash_out}
 mkdir -p "$OUT"
 targets=$(printf '%s_selftest ' "${DIRECTIONS[@]}")
-declare -A BIN  # each side's folder of self-test binaries
-for side in A B; do
-  src=$([ $side = A ] && echo "$A_SRC" || echo "${JAXFLASH_PREBUILT:+$(cd "$JAXFLASH_PREBUILT" && pwd)}")
-  prebuilt=1
-  for t in $targets; do [ -n "$src" ] && [ -f "$src/$t.xz" ] || prebuilt=0; done
-  if [ $prebuilt = 1 ]; then
-    python3 "$B_SRC/scripts/prebuilt.py" unpack "$src" "/tmp/ab_$side" >/dev/null
-    BIN[$side]=/tmp/ab_$side
+for side in A B; do  # each side's self-test binaries into /tmp/ab_$side
+  src=$([ $side = A ] && echo "$A_SRC" || echo "$B_SRC")
+  prebuilt=$([ $side = A ] && echo "$A_SRC" || echo "${JAXFLASH_PREBUILT:+$(cd "$JAXFLASH_PREBUILT" && pwd)}")
+  unpack=1
+  for t in $targets; do [ -n "$prebuilt" ] && [ -f "$prebuilt/$t.xz" ] || unpack=0; done
+  if [ $unpack = 1 ]; then
+    python3 "$B_SRC/scripts/prebuilt.py" unpack "$prebuilt" "/tmp/ab_$side" >/dev/null
     continue
   fi
-  src=$([ $side = A ] && echo "$A_SRC" || echo "$B_SRC")
   cmake -S "$src" -B "/tmp/ab_$side" -G Ninja -DJAXFLASH_CUDA=ON -DJAXFLASH_BUILD_SELFTESTS=ON \
     -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/ab_configure_$side.log"
   # shellcheck disable=SC2086
   cmake --build "/tmp/ab_$side" -j 16 --target $targets >"$OUT/ab_build_$side.log"
-  BIN[$side]=/tmp/ab_$side
 done
 for round in $(seq "$ROUNDS"); do
   for side in A B; do
@@ -42,7 +39,7 @@ for round in $(seq "$ROUNDS"); do
       # The forward's "bench" runs its correctness cases first (3 s): both sides must pass them.
       # The backward's take a minute, so it times only; gpu_check.sh runs them.
       mode=$([ "$dir" = fwd ] && echo bench || echo bench-only)
-      "${BIN[$side]}/${dir}_selftest" "$mode" | grep "TFLOP/s" | sed "s/^/$side $dir /" >>"$OUT/ab_kernels.txt"
+      "/tmp/ab_$side/${dir}_selftest" "$mode" | grep "TFLOP/s" | sed "s/^/$side $dir /" >>"$OUT/ab_kernels.txt"
     done
   done
 done
