@@ -175,7 +175,16 @@ constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
   return {bwd_sm90_block_m(d), 1, d, d / 64, 16, 64, 1, 8, 8};
 }
 
-// Dynamic shared memory: the tiles, the per-stage row statistics (lse2, delta
+// dS^T's buffers: two where they fit beside the rest (D = 128: 232112 of the 232448 bytes
+// an sm_90 block may have), so that a tile's dS^T stores need not wait for the other
+// warpgroup's dQ product of the previous tile, which reads the other buffer (one barrier
+// per Q tile instead of two); one at D = 64, whose 32 KB dS^T tiles would not fit twice.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+constexpr int bwd_sm90_ds_stages(int d) { return d == 128 ? 2 : 1; }
+
+// Dynamic shared memory: the tiles (dS^T's bwd_sm90_ds_stages), the per-stage row statistics (lse2, delta
 // and a word per row: the dropout's row key or the query's segment id), the
 // two dQ stages, their four mbarriers and two 16-byte turns (DqTurn), the loads'
 // ten mbarriers (the Q-tile stages' four, K / V's two, the item slots' four) and
@@ -185,7 +194,7 @@ __host__ __device__
 #endif
 constexpr int bwd_sm90_smem_bytes(int d) {
   const int bm = bwd_sm90_block_m(d), bn = kBwdSm90BlockN;
-  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 2 * 16 + 10 * 8 + 2 * 16 + 1024;
+  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bwd_sm90_ds_stages(d) * bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 2 * 16 + 10 * 8 + 2 * 16 + 1024;
 }
 
 static_assert(bwd_sm90_block_m(64) == bwd_tiles(2, 64, false).block_m &&
