@@ -54,6 +54,7 @@
 
 #include "primitives/dq_order.h"
 #include "primitives/tma.h"
+#include "timeline.h"
 
 namespace jaxflash::gpu {
 
@@ -175,9 +176,17 @@ __device__ __forceinline__ void flush_dq_turn(int* pending, int lane) {
 // stage back already), and deferring it to the next tile's turn held the next
 // key tile's writer back until this CTA's consumers had staged their next tile
 // (docs/DESIGN.md, the dQ writer: 1.01-1.05x on the H100).
+// times: with JAXFLASH_BWD_TIMELINE, where the wait for the turn and the reduction's time to
+// the release are summed (ns; nullptr: not stamped).
 __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int bytes, int* sem, int target,
-                                            uint64_t* stage_empty) {
+                                            uint64_t* stage_empty, unsigned long long* times = nullptr) {
+#ifdef JAXFLASH_BWD_TIMELINE
+  const unsigned long long t0 = times ? timeline_now() : 0;
+#endif
   spin_until(sem, target);
+#ifdef JAXFLASH_BWD_TIMELINE
+  const unsigned long long t1 = times ? timeline_now() : 0;
+#endif
   fence_proxy_async_global();
   if (target == 0) bulk_store_f32(tile, stage, bytes);
   else bulk_reduce_add_f32(tile, stage, bytes);
@@ -185,6 +194,15 @@ __device__ __forceinline__ void add_dq_tile(float* tile, const float* stage, int
   bulk_wait_reads();
   mbar_arrive_if(stage_empty, true);
   flush_dq_turn(sem, 0);
+#ifdef JAXFLASH_BWD_TIMELINE
+  if (times) {
+    times[0] += t1 - t0;
+    times[1] += timeline_now() - t1;
+    ++times[2];
+  }
+#else
+  (void)times;
+#endif
 }
 
 }  // namespace jaxflash::gpu

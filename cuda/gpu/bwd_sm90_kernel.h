@@ -216,14 +216,16 @@ struct DqTurn {
 // visible range: with the named turns the plain copy measured 0.94-0.96 of
 // this at D = 128, N >= 4k (H100, kernel alone). n: the tiles staged over the
 // CTA's life (the stage and its phase).
+// times: the timeline's sums for the item (add_dq_tile; nullptr: not stamped).
 template <class Cfg>
 __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
                                                int64_t key_tile, const float* stages, const DqTurn* turns,
-                                               uint64_t* full, uint64_t* empty, uint32_t& n) {
+                                               uint64_t* full, uint64_t* empty, uint32_t& n,
+                                               unsigned long long* times) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
   auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
     add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
-                rt.sems + tile * Cfg::kDq.warps, target, empty + stage.index);
+                rt.sems + tile * Cfg::kDq.warps, target, empty + stage.index, times);
   };
   if constexpr (Cfg::kSegmentIds) {
 #pragma unroll 1
@@ -334,8 +336,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (uint32_t item = 0;; ++item) {
         const KeyTileTicket t = stages.receive_item(item);
         if (t.kept < 0) break;
-        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n);
-        if (item == kTlItem) JF_TIMELINE_NOW(rt, kTlWriterDone);
+#ifdef JAXFLASH_BWD_TIMELINE
+        unsigned long long times[3] = {};
+        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n,
+                            item == kTlItem ? times : nullptr);
+        if (item == kTlItem) {
+          JF_TIMELINE_NOW(rt, kTlWriterDone);
+          JF_TIMELINE(rt, kTlWriterSpin, times[0]);
+          JF_TIMELINE(rt, kTlWriterAdd, times[1]);
+          JF_TIMELINE(rt, kTlWriterTiles, times[2]);
+        }
+#else
+        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n, nullptr);
+#endif
       }
     }
     return;

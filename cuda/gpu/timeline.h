@@ -6,7 +6,8 @@
 // device buffer that backward.cu allocates (bwd_timeline_buffer);
 // bwd_selftest's bench prints where that item's time goes (setup, the wait for
 // K / V, for the first Q tile, the Q-tile loop, the dK / dV stores, the dQ
-// writer's drain): what the persistent grid leaves exposed. Nsight Compute
+// writer's drain, and per dQ tile the writer's wait for its turn and its
+// reduction's time to the turn's release): what the persistent grid leaves exposed. Nsight Compute
 // samples stalls by source line, but cannot say how long an item waits before
 // its first product or after its last.
 #pragma once
@@ -21,7 +22,10 @@ enum BwdTimelineEvent : int {
   kTlLoopDone = 4,    // consumer 0: its last Q tile handed to the writer, K / V released
   kTlEpiStored = 5,   // consumer 0: its dK / dV stores issued
   kTlWriterDone = 6,  // the dQ writer: the item's last turn signalled
-  kTlEvents = 8,      // a CTA's row
+  kTlWriterSpin = 7,  // the dQ writer: ns spent waiting for the item's turns, summed
+  kTlWriterAdd = 8,   // the dQ writer: ns from issuing a tile's reduction to its turn's release, summed
+  kTlWriterTiles = 9,  // the dQ writer: the item's tiles
+  kTlEvents = 10,     // a CTA's row
   kTlCtas = 8192,     // rows: CTAs past these wrap
   kTlItem = 1,        // the item stamped
 };

@@ -707,7 +707,7 @@ void timeline_report() {
   constexpr int kPhases = 5;
   const int phases[kPhases + 1] = {kTlStart, kTlKvIssue, kTlKvLoaded, kTlFirstQ, kTlLoopDone, kTlEpiStored};
   const char* names[kPhases] = {"setup", "K/V wait", "first Q wait", "Q-tile loop", "dK/dV stores"};
-  double sum[kPhases] = {}, drain = 0, life = 0;
+  double sum[kPhases] = {}, drain = 0, life = 0, spin = 0, add = 0, tiles = 0;
   int n = 0;
   for (int c = 0; c < kTlCtas; ++c) {
     // (CTAs with one item, or whose item's keys no query sees, stamp less.)
@@ -715,12 +715,16 @@ void timeline_report() {
     ++n;
     for (int k = 0; k < kPhases; ++k) sum[k] += at(c, phases[k + 1]) - at(c, phases[k]);
     drain += at(c, kTlWriterDone) - at(c, kTlEpiStored);
+    spin += at(c, kTlWriterSpin), add += at(c, kTlWriterAdd), tiles += at(c, kTlWriterTiles);
     life += std::max(at(c, kTlEpiStored), at(c, kTlWriterDone)) - at(c, kTlStart);
   }
   if (n == 0) return;  // not the sm_90 kernel, or one item per CTA
   std::printf("    timeline: item %d of %d CTAs, us: %.2f =", int(kTlItem), n, life / n / 1e3);
   for (int k = 0; k < kPhases; ++k) std::printf("%s %s %.2f", k ? " +" : "", names[k], sum[k] / n / 1e3);
   std::printf(" + writer drain %.2f\n", drain / n / 1e3);
+  if (tiles > 0)
+    std::printf("    dQ writer, per tile: %.0f tiles per item, turn wait %.2f us, reduction to release %.2f us\n",
+                tiles / n, spin / tiles / 1e3, add / tiles / 1e3);
 }
 #endif
 
