@@ -336,19 +336,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (uint32_t item = 0;; ++item) {
         const KeyTileTicket t = stages.receive_item(item);
         if (t.kept < 0) break;
-#ifdef JAXFLASH_BWD_TIMELINE
-        unsigned long long times[3] = {};
+        unsigned long long times[3] = {};  // the timeline's writer sums (none outside its build)
         write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n,
-                            item == kTlItem ? times : nullptr);
+                            kTlEnabled && item == kTlItem ? times : nullptr);
         if (item == kTlItem) {
           JF_TIMELINE_NOW(rt, kTlWriterDone);
           JF_TIMELINE(rt, kTlWriterSpin, times[0]);
           JF_TIMELINE(rt, kTlWriterAdd, times[1]);
           JF_TIMELINE(rt, kTlWriterTiles, times[2]);
         }
-#else
-        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n, nullptr);
-#endif
       }
     }
     return;

@@ -179,7 +179,8 @@ constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
 // writer while dK computes (FlashAttention-3's order), or before it, beside dV. Measured on
 // the H200 (kernel alone against the other order, scripts/ab_kernels.sh, 2 rounds,
 // 2026-11-28): D = 64 1.01-1.02x in every cell of the bench; D = 128 1.03x at N = 1k, 1.00-1.02x
-// at 4k causal and 16k, but 0.97x at N = 4k without masking, so D = 128 keeps dK beside dV.
+// at 4k causal and 16k, but 0.97x at N = 4k without masking, so D = 128 keeps dK beside dV
+// (its faster consumers were held at the one dQ writer's rate: docs/DESIGN.md).
 // (Two dS^T buffers at D = 128, which drop the tile's first consumer barrier, measured
 // 0.99-1.04x alone and 0.92-1.07x with dK behind dQ: neither kept.)
 #if defined(__CUDACC__)

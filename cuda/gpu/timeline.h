@@ -31,6 +31,7 @@ enum BwdTimelineEvent : int {
 };
 
 #ifdef JAXFLASH_BWD_TIMELINE
+constexpr bool kTlEnabled = true;
 __device__ __forceinline__ unsigned long long timeline_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -40,6 +41,7 @@ __device__ __forceinline__ unsigned long long timeline_now() {
   ((rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)] = (value))
 #define JF_TIMELINE_NOW(rt, event) JF_TIMELINE(rt, event, ::jaxflash::gpu::timeline_now())
 #else
+constexpr bool kTlEnabled = false;
 #define JF_TIMELINE(rt, event, value) ((void)0)
 #define JF_TIMELINE_NOW(rt, event) ((void)0)
 #endif
