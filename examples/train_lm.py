@@ -1,15 +1,28 @@
 """Trains a small decoder-only transformer language model in Flax NNX with jaxflash's causal
-attention, and the same model with Flax's default attention for comparison.
+attention, and the same model with other attention functions for comparison: Flax's default
+attention and, on an NVIDIA GPU, jax.nn's cuDNN attention.
 
 The model reads characters of a procedurally generated text (short stories from a little
 grammar, see ``make_corpus``), so nothing is downloaded. Each story repeats the names and the
 object that its first sentences introduce, which the model can only predict by attending back
 to them: attention, not just the local character statistics, lowers the loss.
 
-Both runs start from the same parameters (the same seed) and see the same batches, so their
+Every run starts from the same parameters (the same seed) and sees the same batches, so their
 losses differ only by floating-point rounding in the attention and should stay close; the
-summary at the end reports each run's final loss and median tokens/s and the largest loss
-difference between them.
+summary at the end reports each run's final loss and median tokens/s, and for every other run
+jaxflash's tokens/s over its own and the largest loss difference from jaxflash's run.
+
+The runs (``--attention``, a comma-separated list):
+
+- ``jaxflash``: ``jaxflash.flax_attention``, given the causal mask a Flax model usually passes;
+- ``default``: Flax's ``nnx.dot_product_attention``, given the same mask;
+- ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (``cudnn_attention``),
+  the fast path a JAX user on an NVIDIA GPU would otherwise take, given ``is_causal=True``
+  instead of the mask. It needs an NVIDIA GPU and ``--dtype bfloat16`` (cuDNN's attention takes
+  16-bit inputs only).
+
+By default all three, cudnn left out with a note where it cannot run (so on the CPU, and on a
+GPU in float32); asked for by name where it cannot run, it is an error.
 
 Run on the CPU (the default size, "small": both runs together take under a minute on two
 cores):
@@ -21,6 +34,7 @@ On a GPU (jaxflash built with CUDA), a larger model at sequence lengths 1024 and
 
   python examples/train_lm.py --size medium --dtype bfloat16
   python examples/train_lm.py --size large --dtype bfloat16
+  python examples/train_lm.py --size large --dtype bfloat16 --attention jaxflash,cudnn --steps 60
 
 ``--help`` lists every option.
 """
@@ -31,6 +45,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,14 +100,82 @@ SIZES = {
     # medium at 1.2x and large at 1.8x the default attention's tokens/s; medium learns to copy
     # the names (loss 3.5 -> 0.6 in its 300 steps), while large, sized for speed, is still at
     # the character-statistics plateau (loss ~1.9) after its 300 steps at any learning rate of
-    # 6e-4 to 2e-3.
+    # 6e-4 to 2e-3. Those runs predate the cudnn run; in bfloat16 on an NVIDIA GPU it now runs
+    # too, so that jaxflash is also measured against cuDNN's attention (issue 17).
     "medium": Size(layers=6, d_model=512, heads=8, seq_len=1024, batch=16, steps=300,
                    learning_rate=1e-3, log_every=25),
     "large": Size(layers=12, d_model=768, heads=12, seq_len=2048, batch=8, steps=300,
                   learning_rate=6e-4, log_every=25),
 }
 
-ATTENTION_FNS = {"jaxflash": jaxflash.flax_attention, "default": nnx.dot_product_attention}
+
+def cudnn_attention(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                    dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                    dtype=None, precision=None, module=None, is_causal: bool = False):
+  """``jax.nn.dot_product_attention(..., implementation="cudnn")`` in Flax's ``attention_fn``
+  convention (the arguments ``nnx.MultiHeadAttention`` passes, and ``bias``).
+
+  Causality must come as ``is_causal``, with which cuDNN skips the tiles above the diagonal; a
+  mask is refused rather than passed on, since cuDNN would read it as a dense T x S bias and
+  skip nothing, which is not the fast path this run stands for. Attention dropout and sown
+  weights, which jax.nn's cuDNN path does not have, are refused too. ``dtype`` casts query, key
+  and value, as the other runs' attention functions do; ``precision`` is ignored, as Flax's
+  default attention ignores it on its own jax.nn path (cuDNN multiplies 16-bit inputs with
+  float32 accumulation whatever it says).
+  """
+  del broadcast_dropout, dropout_rng, precision  # dropout: refused below; precision: see above
+  if mask is not None:
+    raise ValueError("cudnn_attention: got a mask, which cuDNN would read as a dense bias; pass "
+                     "is_causal=True instead of a causal mask")
+  if dropout_rate > 0.0 and not deterministic:
+    raise ValueError("cudnn_attention: attention dropout is not supported (jax.nn's cuDNN "
+                     "attention has none)")
+  if module is not None:
+    raise ValueError("cudnn_attention: the module asked to sow its attention weights "
+                     "(sow_weights=True), which cuDNN never forms")
+  if dtype is not None:
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  return jax.nn.dot_product_attention(query, key, value, bias, is_causal=is_causal,
+                                      implementation="cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+  """One run's attention: the ``attention_fn`` of ``nnx.MultiHeadAttention`` and how the model
+  makes it causal."""
+  attention_fn: Callable
+  # True: the model passes is_causal=True and no mask. False: the (batch, 1, T, T) causal mask
+  # of nnx.make_causal_mask, as a Flax model usually does.
+  causal_by_flag: bool
+
+
+ATTENTIONS = {
+    "jaxflash": Attention(jaxflash.flax_attention, causal_by_flag=False),
+    "default": Attention(nnx.dot_product_attention, causal_by_flag=False),
+    "cudnn": Attention(cudnn_attention, causal_by_flag=True),
+}
+
+
+def cudnn_unavailable_reason(size: Size, dtype) -> str | None:
+  """None when cuDNN's attention runs here for the model's shapes and dtype, else why not."""
+  platform = jnp.zeros(()).device.platform
+  if platform != "gpu":
+    return f"cuDNN's attention needs an NVIDIA GPU, and JAX's default device here is {platform}"
+  if dtype != jnp.bfloat16:
+    return (f"cuDNN's attention takes 16-bit inputs only, and this run computes in {dtype} (use "
+            f"--dtype bfloat16)")
+  # Forward and backward compiled ahead for the model's attention shapes: whatever would stop
+  # the cudnn run (a GPU that is not NVIDIA's, too old a GPU or cuDNN, a shape cuDNN does not
+  # take) stops this first, as a reason instead of a trace from the middle of the runs.
+  qkv = jax.ShapeDtypeStruct((size.batch, size.seq_len, size.heads, size.d_model // size.heads),
+                             dtype)
+  loss = lambda q, k, v: cudnn_attention(q, k, v, is_causal=True).astype(jnp.float32).sum()
+  try:
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile()
+  except Exception as error:  # noqa: BLE001 - whatever stops cuDNN here is the reason to report
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"cuDNN's attention does not compile here ({type(error).__name__}: {first_line})"
+  return None
 
 
 def make_corpus(num_chars: int, seed: int) -> np.ndarray:
@@ -127,8 +210,9 @@ class Block(nnx.Module):
   def __init__(self, size: Size, attention_fn, dtype, rngs: nnx.Rngs):
     d = size.d_model
     self.attention_norm = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
-    # No attention dropout: jaxflash.flax_attention does not implement it yet (it raises for
-    # dropout_rate > 0), and the comparison needs both runs to compute the same function.
+    # No attention dropout: the comparison needs every run to compute the same function, while
+    # jaxflash's dropout draws its own mask bits (not Flax's) and jax.nn's cuDNN attention has
+    # none.
     self.attention = nnx.MultiHeadAttention(num_heads=size.heads, in_features=d, dtype=dtype,
                                             decode=False, attention_fn=attention_fn, rngs=rngs)
     self.mlp_norm = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
@@ -136,7 +220,9 @@ class Block(nnx.Module):
     self.mlp_out = nnx.Linear(4 * d, d, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, causal_mask):
-    x = x + self.attention(self.attention_norm(x), mask=causal_mask)
+    """``causal_mask`` None: the attention is made causal by ``is_causal`` instead."""
+    x = x + self.attention(self.attention_norm(x), mask=causal_mask,
+                           is_causal=causal_mask is None)
     return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
@@ -144,7 +230,7 @@ class LanguageModel(nnx.Module):
   """Token and learned position embeddings, pre-LayerNorm blocks, a final LayerNorm and an
   output head: ``(batch, length)`` token ids -> ``(batch, length, vocab)`` next-token logits."""
 
-  def __init__(self, size: Size, vocab_size: int, attention_fn, dtype, rngs: nnx.Rngs):
+  def __init__(self, size: Size, vocab_size: int, attention: Attention, dtype, rngs: nnx.Rngs):
     # GPT-2's initialisation of the embeddings and the head: small enough that the first logits
     # are near 0, so the first loss is about log(vocab), the loss of a uniform guess.
     small_init = nnx.initializers.normal(0.02)
@@ -152,7 +238,9 @@ class LanguageModel(nnx.Module):
                                      embedding_init=small_init, rngs=rngs)
     self.position_embedding = nnx.Embed(size.seq_len, size.d_model, dtype=dtype,
                                         embedding_init=small_init, rngs=rngs)
-    self.blocks = nnx.List([Block(size, attention_fn, dtype, rngs) for _ in range(size.layers)])
+    self.blocks = nnx.List([Block(size, attention.attention_fn, dtype, rngs)
+                            for _ in range(size.layers)])
+    self.causal_by_flag = attention.causal_by_flag
     self.final_norm = nnx.LayerNorm(size.d_model, dtype=dtype, rngs=rngs)
     # An untied head: with a character vocabulary it is vocab x d_model, a negligible share of
     # the parameters, so tying it to the token embedding would save nothing; untied, the
@@ -165,8 +253,9 @@ class LanguageModel(nnx.Module):
     x = self.token_embedding(tokens) + self.position_embedding(jnp.arange(tokens.shape[-1]))
     # A plain (batch, 1, T, T) causal mask: the default attention applies it as it is, while
     # jaxflash.flax_attention recognises it and runs the kernels with is_causal, which skip
-    # the masked tiles instead of reading the mask.
-    causal_mask = nnx.make_causal_mask(tokens, dtype=jnp.bool_)
+    # the masked tiles instead of reading the mask. cuDNN cannot recognise a mask (it would
+    # read it as a bias), so its run gets is_causal=True in its place.
+    causal_mask = None if self.causal_by_flag else nnx.make_causal_mask(tokens, dtype=jnp.bool_)
     for block in self.blocks:
       x = block(x, causal_mask)
     return self.head(self.final_norm(x))
@@ -188,7 +277,7 @@ def train(attention: str, size: Size, dtype, corpus: np.ndarray, seed: int) -> d
   """Trains a fresh model with one attention function; returns its per-step losses and
   tokens/s and its compile time. Prints the loss every ``size.log_every`` steps, with the
   median tokens/s of the steps since the previous line."""
-  model = LanguageModel(size, len(ALPHABET), ATTENTION_FNS[attention], dtype, nnx.Rngs(seed))
+  model = LanguageModel(size, len(ALPHABET), ATTENTIONS[attention], dtype, nnx.Rngs(seed))
   # jax.jit over the parameters as a pytree (nnx.split / nnx.merge): the graph is traversed
   # once at tracing, not at every step as nnx.jit would.
   graphdef, params = nnx.split(model, nnx.Param)
@@ -231,15 +320,30 @@ def train(attention: str, size: Size, dtype, corpus: np.ndarray, seed: int) -> d
   return dict(losses=losses, tokens_per_s=tokens_per_s, compile_s=compile_s)
 
 
-def parse_args(argv):
+def attention_names(text: str) -> tuple[str, ...]:
+  """``--attention``'s value: comma-separated names of ATTENTIONS, each at most once."""
+  names = tuple(name.strip() for name in text.split(","))
+  unknown = [name for name in names if name not in ATTENTIONS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown attention {', '.join(map(repr, unknown))}; choose "
+                                     f"from {', '.join(ATTENTIONS)}")
+  if len(set(names)) != len(names):
+    raise argparse.ArgumentTypeError(f"an attention named twice in {text!r}")
+  return names
+
+
+def make_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       description="Train a small character-level transformer LM (Flax NNX) with jaxflash's "
-                  "causal attention and/or Flax's default attention, from the same "
-                  "initialisation on the same batches, and compare their losses and speed.")
-  parser.add_argument("--attention", choices=("jaxflash", "default", "both"), default="both",
-                      help="which attention_fn to train with: jaxflash.flax_attention, Flax's "
-                           "default dot_product_attention, or both one after the other "
-                           "(default: %(default)s)")
+                  "causal attention and with other attention functions (Flax's default, "
+                  "jax.nn's cuDNN), from the same initialisation on the same batches, and "
+                  "compare their losses and speed.")
+  parser.add_argument("--attention", type=attention_names, metavar="NAMES",
+                      help="the runs, comma-separated, one after the other: jaxflash "
+                           "(jaxflash.flax_attention), default (Flax's nnx.dot_product_attention), "
+                           "cudnn (jax.nn.dot_product_attention with implementation='cudnn': needs "
+                           "an NVIDIA GPU and --dtype bfloat16) (default: all three, cudnn left "
+                           "out with a note where it cannot run)")
   parser.add_argument("--size", choices=tuple(SIZES), default="small",
                       help="model and training size: " + "; ".join(
                           f"{name}: {s.layers} layers, d_model {s.d_model}, {s.heads} heads, "
@@ -263,26 +367,39 @@ def parse_args(argv):
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the parameters, the generated text and the batch order "
                            "(default: %(default)s)")
-  return parser.parse_args(argv)
+  return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
-  """Runs the training(s) that ``argv`` asks for; returns, per attention run, its ``losses``,
-  ``tokens_per_s`` (per step) and ``compile_s``, and with both runs ``max_loss_difference``."""
-  args = parse_args(argv)
+  """Runs the trainings that ``argv`` asks for; returns, per attention run, its ``losses``,
+  ``tokens_per_s`` (per step) and ``compile_s``, and where jaxflash ran too, for each other run
+  its ``max_loss_difference`` from jaxflash's losses and ``jaxflash_tokens_per_s_ratio``
+  (jaxflash's median tokens/s over its own)."""
+  parser = make_parser()
+  args = parser.parse_args(argv)
   overrides = dict(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
                    learning_rate=args.learning_rate, log_every=args.log_every)
   size = dataclasses.replace(SIZES[args.size],
                              **{k: v for k, v in overrides.items() if v is not None})
   dtype = jnp.dtype(args.dtype)
+  attentions = args.attention or tuple(ATTENTIONS)
+  # Checked before any run, so that a cudnn run that cannot happen stops nothing half-way.
+  cudnn_left_out = None
+  if "cudnn" in attentions:
+    cudnn_left_out = cudnn_unavailable_reason(size, dtype)
+    if cudnn_left_out is not None:
+      if args.attention:
+        parser.error(f"--attention cudnn: {cudnn_left_out}")
+      attentions = tuple(name for name in attentions if name != "cudnn")
   # Enough text that the batches rarely repeat a window (2^20 to 2^24 characters).
   corpus = make_corpus(max(1 << 20, min(size.steps * size.batch * size.seq_len, 1 << 24)),
                        args.seed)
   print(f"size {args.size}: {size.layers} layers, d_model {size.d_model}, {size.heads} heads, "
         f"seq_len {size.seq_len}, batch {size.batch}, {size.steps} steps, {args.dtype}, on "
         f"{jnp.zeros(()).device.platform}; corpus {len(corpus)} characters")
+  if cudnn_left_out is not None:
+    print(f"cudnn left out: {cudnn_left_out}")
 
-  attentions = ("jaxflash", "default") if args.attention == "both" else (args.attention,)
   results = {name: train(name, size, dtype, corpus, args.seed) for name in attentions}
 
   print(f"\n{'attention':<10} {'first loss':>10} {'final loss':>10} {'median tokens/s':>16} "
@@ -290,14 +407,16 @@ def main(argv: list[str] | None = None) -> dict:
   for name, run in results.items():
     print(f"{name:<10} {run['losses'][0]:10.4f} {run['losses'][-1]:10.4f} "
           f"{statistics.median(run['tokens_per_s']):16.0f} {run['compile_s']:9.1f}")
-  if len(results) == 2:
-    ours, default = results["jaxflash"], results["default"]
-    results["max_loss_difference"] = max(
-        abs(a - b) for a, b in zip(ours["losses"], default["losses"]))
-    speedup = statistics.median(ours["tokens_per_s"]) / statistics.median(default["tokens_per_s"])
-    print(f"max |loss difference| over {size.steps} steps: "
-          f"{results['max_loss_difference']:.2e}; jaxflash/default median tokens/s: "
-          f"{speedup:.2f}x")
+  if "jaxflash" in results:
+    ours = results["jaxflash"]
+    for name, run in results.items():
+      if name == "jaxflash":
+        continue
+      run["max_loss_difference"] = max(abs(a - b) for a, b in zip(ours["losses"], run["losses"]))
+      run["jaxflash_tokens_per_s_ratio"] = (statistics.median(ours["tokens_per_s"]) /
+                                            statistics.median(run["tokens_per_s"]))
+      print(f"jaxflash / {name} median tokens/s: {run['jaxflash_tokens_per_s_ratio']:.2f}x; "
+            f"max |loss difference| over {size.steps} steps: {run['max_loss_difference']:.2e}")
   return results
 
 
