@@ -125,6 +125,12 @@ struct BwdSm90Config {
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;  // and the producer's and dQ writer's
   static constexpr int kConsumerBarrier = 1;  // the consumers' named barrier
+  // dQ writers: one per dQ stage, so that a tile's reduction completes and its turn is
+  // signalled while the other stage's tile goes out (a turn's reduction takes ~1.7 us to its
+  // release, against ~2.9 us for a Q tile's products at D = 128: one writer was busy ~77% of
+  // the time and held the consumers back once they got faster). One in the segment-id copy,
+  // whose end-of-item marks go through the stages in turn.
+  static constexpr int kDqWriters = kSegmentIds ? 1 : 2;
   // Registers per thread after setmaxnreg (primitives/tma.h's balance): the
   // producer's and writer's warpgroup keeps 24 (no fewer: a producer at too few
   // hung the H100 in the forward), the consumers get 240.
@@ -216,11 +222,13 @@ struct DqTurn {
 // visible range: with the named turns the plain copy measured 0.94-0.96 of
 // this at D = 128, N >= 4k (H100, kernel alone). n: the tiles staged over the
 // CTA's life (the stage and its phase).
-// times: the timeline's sums for the item (add_dq_tile; nullptr: not stamped).
+// With two writers (Cfg::kDqWriters), writer w takes the tiles staged in stage w, those of
+// even or odd n, and walks past the others. times: the timeline's sums for the item
+// (add_dq_tile; nullptr: not stamped).
 template <class Cfg>
 __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
                                                int64_t key_tile, const float* stages, const DqTurn* turns,
-                                               uint64_t* full, uint64_t* empty, uint32_t& n,
+                                               uint64_t* full, uint64_t* empty, uint32_t& n, int writer,
                                                unsigned long long* times) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
   auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
@@ -247,6 +255,7 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
 #pragma unroll 1
       for (int64_t i = g.first; i <= g.last; ++i, ++n) {
         const Stage<2> stage(n);
+        if (Cfg::kDqWriters == 2 && stage.index != writer) continue;
         mbar_wait(full + stage.index, stage.parity);
         add(stage, g.linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, g.b, g.linear, i, key_tile, false, 0));
       }
@@ -322,7 +331,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mbar_init_fence();
   }
   __syncthreads();  // the only CTA-wide barrier: the third warpgroup leaves early
-  if (warpgroup == 0) {  // warp 0 the producer, warp 1's first thread the dQ writer
+  if (warpgroup == 0) {  // warp 0 the producer, the first threads of warps 1 (and 2) the dQ writers
     regs_release<Cfg::kWriterRegs>();
     // The warp as a shuffled, warp-uniform value: on threadIdx.x < 32 ptxas kept the two
     // roles' values live across both paths, as if a warp could take both, and spilled ~400
@@ -330,20 +339,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
     if (warp == 0) {
       produce<Cfg>(p, rt, stages, threadIdx.x);
-    } else if (threadIdx.x == 32) {
+    } else if (threadIdx.x % 32 == 0 && warp <= Cfg::kDqWriters) {
+      const int writer = warp - 1;
       uint32_t n = 0;  // dQ tiles staged over the CTA's life
 #pragma unroll 1
       for (uint32_t item = 0;; ++item) {
         const KeyTileTicket t = stages.receive_item(item);
         if (t.kept < 0) break;
-        unsigned long long times[3] = {};  // the timeline's writer sums (none outside its build)
-        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n,
+        unsigned long long times[3] = {};  // this writer's sums (none outside the timeline build)
+        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n, writer,
                             kTlEnabled && item == kTlItem ? times : nullptr);
-        if (item == kTlItem) {
-          JF_TIMELINE_NOW(rt, kTlWriterDone);
-          JF_TIMELINE(rt, kTlWriterSpin, times[0]);
-          JF_TIMELINE(rt, kTlWriterAdd, times[1]);
-          JF_TIMELINE(rt, kTlWriterTiles, times[2]);
+        if (item == kTlItem) {  // every writer adds its sums; the last one's end is kept
+          JF_TIMELINE_MAX_NOW(rt, kTlWriterDone);
+          JF_TIMELINE_ADD(rt, kTlWriterSpin, times[0]);
+          JF_TIMELINE_ADD(rt, kTlWriterAdd, times[1]);
+          JF_TIMELINE_ADD(rt, kTlWriterTiles, times[2]);
         }
       }
     }
