@@ -330,46 +330,92 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
   };
 
+  // This warpgroup's own keys: the walk covers what any of the query tile's rows sees, but
+  // under causal masking the top tiles can lie wholly right of its 64 rows' diagonal (at D = 64
+  // a 192-row tile over 128-key tiles: ~10% of the products at N = 1k), and under a window the
+  // bottom ones left of its rows' reach. Such a round is passed (its buffers released unread,
+  // its turn taken) instead of computed: a fully masked tile adds exact zeros, so the result is
+  // bitwise the same (but for a NaN in V there, which 0 * NaN no longer spreads to these rows:
+  // README's NaN rule, a key a row cannot see is not read for it). Not where V_0's padding is
+  // zeroed (zero_v): its readers meet at one barrier, from one place. Nor in the score
+  // modifiers' copy: its 128 x 128 tiles meet a causal diagonal on tile edges, and with the
+  // passes ptxas spilled 100 bytes more there (bf16 D = 128, 148 / 248 bytes stored / loaded
+  // against 48 / 88).
+  const int wg_hi = min(pos.kv_len, min(wg_row0 + 64, pos.q_len) - 1 + pos.offset + pos.window_right + 1);
+  const int wg_lo = wg_row0 + pos.offset - pos.window_left;
+  auto unseen = [&](int n0) { return !Cfg::kScoreMods && (n0 >= wg_hi || n0 + BN <= wg_lo); };
+  auto pass_k = [&](int i) {
+    wait_k(i);
+    mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
+  };
+  auto pass_v = [&](int i) {
+    wait_v(i);
+    mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
+  };
+  // A passed round r: K_r (but round n's), V_{r - 1} (but round 0's), the turn.
+  auto pass_round = [&](int r, bool has_k) {
+    if (has_k) pass_k(r);
+    if (r > 0) pass_v(r - 1);
+    if constexpr (Cfg::kPingPong) named_sync(kTurnBarrier + wg, Cfg::kConsumerThreads);
+    end_turn(!has_k);
+  };
+
   mbar_wait(sm.q_full(), n & 1u);
   // Warpgroup 0 goes first. Each query tile's turns balance on both barriers
   // (warpgroup 1's last turn hands over none), so the next tile starts afresh.
   if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
 
-  wait_k(0);  // round 0: S_0 alone
-  begin_turn();
-  issue_s(0);
-  end_turn(false);
-  wgmma_wait<0>();
-  softmax(0, top);
-  to_p();
-  int r = 1;
-#pragma unroll 1
-  for (int n0 = walk.next(top); walk.visits(n0); n0 = walk.next(n0), ++r) {
-    // rounds 1 .. n - 1: S_r, then P_{r-1} V_{r-1}
-    wait_k(r);
-    wait_v(r - 1);
+  int r = 0, n0 = top;
+  if (!zero_v)
+    for (; walk.visits(n0) && unseen(n0); n0 = walk.next(n0), ++r) pass_round(r, true);
+  if (walk.visits(n0)) {
+    wait_k(r);  // the first tile the rows see: S alone
     begin_turn();
     issue_s(r);
-    issue_pv(r - 1);
     end_turn(false);
-    wgmma_wait<1>();
+    if (r > 0) pass_v(r - 1);
+    wgmma_wait<0>();
     softmax(r, n0);
+    to_p();
+#pragma unroll 1
+    for (n0 = walk.next(n0), ++r; walk.visits(n0) && !unseen(n0); n0 = walk.next(n0), ++r) {
+      // the next ones: S_r, then P_{r-1} V_{r-1}
+      wait_k(r);
+      wait_v(r - 1);
+      begin_turn();
+      issue_s(r);
+      issue_pv(r - 1);
+      end_turn(false);
+      wgmma_wait<1>();
+      softmax(r, n0);
+      wgmma_wait<0>();
+      pv_done(r - 1);
+      rescale_row(o, 0, 0, alpha[0]);
+      rescale_row(o, 0, 1, alpha[1]);
+      to_p();
+    }
+    // Every S product is done (the last softmax read it): with O in a buffer of its own
+    // nothing reads Q any more, and the next tile's may load during the last P V and
+    // the epilogue.
+    if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
+    const bool tail = walk.visits(n0);  // tiles left of the rows' window follow
+    wait_v(r - 1);  // the last P V
+    begin_turn();
+    issue_pv(r - 1);
+    end_turn(!tail);
+    if (tail) pass_k(r);
     wgmma_wait<0>();
     pv_done(r - 1);
-    rescale_row(o, 0, 0, alpha[0]);
-    rescale_row(o, 0, 1, alpha[1]);
-    to_p();
+    if (tail)
+      for (n0 = walk.next(n0), ++r;; n0 = walk.next(n0), ++r) {
+        const bool has_k = walk.visits(n0);
+        pass_round(r, has_k);
+        if (!has_k) break;
+      }
+  } else {  // no tile the rows see: O = 0, lse = -inf, as for fully masked rows
+    if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
+    pass_round(r, false);
   }
-  // Every S product is done (the last softmax read it): with O in a buffer of its own
-  // nothing reads Q any more, and the next tile's may load during the last P V and
-  // the epilogue.
-  if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
-  wait_v(r - 1);  // round n: the last P V
-  begin_turn();
-  issue_pv(r - 1);
-  end_turn(true);
-  wgmma_wait<0>();
-  pv_done(r - 1);
   kv += r;
 }
 
