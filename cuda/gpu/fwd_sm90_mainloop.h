@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fwd_scores.h"
 #include "kernel_traits.h"
@@ -90,6 +91,17 @@ struct KeyTileWalk {
     return Cfg::kSegmentIds && segments.needs_test(linear, q_tile, n0 / BN);
   }
 };
+
+// How a round applies the position mask: tested per tile, always (a tile that a causal
+// diagonal, a window's edge or a sequence length crosses) or never (a tile every row sees
+// whole). The main loop runs the always and never rounds as two loops of their own, so that
+// the mask-free steady state is compiled without the mask's registers: at D = 64 (160
+// registers a consumer) one loop that tested per tile spilled the softmax state on every
+// round (ptxas bf16: 184 / 184 bytes stored / loaded, 4 + 4 per round), the two none (the
+// producer's 52 / 60 left).
+template <int kMode>
+using MaskStep = std::integral_constant<int, kMode>;
+constexpr int kMaskTest = 0, kMaskAlways = 1, kMaskNever = 2;
 
 // Named barrier ids (0 is __syncthreads'): each consumer warpgroup's turn to
 // issue (kPingPong: two consumers), and the consumers' meeting after zeroing
@@ -308,13 +320,15 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     wgmma_commit();
   };
   // S_i (keys n0..) has landed: release K_i, mask, softmax.
-  auto softmax = [&](int i, int n0) {
+  auto softmax = [&](int i, int n0, auto mask_step) {
     hold_acc(s);
     mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
     if constexpr (Cfg::kScoreMods) {
       score_tile<Cfg>(s, p, rt, pos, ops, warp_row0, n0, full.contain(n0), walk.needs_id_test(n0), lane);
-    } else if (!full.contain(n0)) {
+    } else if constexpr (decltype(mask_step)::value == kMaskAlways) {
       mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+    } else if constexpr (decltype(mask_step)::value == kMaskTest) {
+      if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
     }
     softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
     // After the softmax's sums: dropout changes what reaches O, not the normaliser.
@@ -375,11 +389,10 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     end_turn(false);
     if (r > 0) pass_v(r - 1);
     wgmma_wait<0>();
-    softmax(r, n0);
+    softmax(r, n0, MaskStep<kMaskTest>{});
     to_p();
-#pragma unroll 1
-    for (n0 = walk.next(n0), ++r; walk.visits(n0) && !unseen(n0); n0 = walk.next(n0), ++r) {
-      // the next ones: S_r, then P_{r-1} V_{r-1}
+    // the next ones: S_r, then P_{r-1} V_{r-1}
+    auto round = [&](auto mask_step) {
       wait_k(r);
       wait_v(r - 1);
       begin_turn();
@@ -387,12 +400,27 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       issue_pv(r - 1);
       end_turn(false);
       wgmma_wait<1>();
-      softmax(r, n0);
+      softmax(r, n0, mask_step);
       wgmma_wait<0>();
       pv_done(r - 1);
       rescale_row(o, 0, 0, alpha[0]);
       rescale_row(o, 0, 1, alpha[1]);
       to_p();
+    };
+    auto more = [&] { return walk.visits(n0) && !unseen(n0); };
+    n0 = walk.next(n0), ++r;
+    if constexpr (Cfg::kScoreMods) {
+#pragma unroll 1
+      for (; more(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskTest>{});
+    } else {
+#pragma unroll 1
+      for (;;) {  // (top down: the diagonal's tiles, the whole ones, a window's far edge)
+#pragma unroll 1
+        for (; more() && !full.contain(n0); n0 = walk.next(n0), ++r) round(MaskStep<kMaskAlways>{});
+#pragma unroll 1
+        for (; more() && full.contain(n0); n0 = walk.next(n0), ++r) round(MaskStep<kMaskNever>{});
+        if (!more()) break;
+      }
     }
     // Every S product is done (the last softmax read it): with O in a buffer of its own
     // nothing reads Q any more, and the next tile's may load during the last P V and
