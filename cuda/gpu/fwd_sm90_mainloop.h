@@ -94,11 +94,9 @@ struct KeyTileWalk {
 
 // How a round applies the position mask: tested per tile, always (a tile that a causal
 // diagonal, a window's edge or a sequence length crosses) or never (a tile every row sees
-// whole). The main loop runs the always and never rounds as two loops of their own, so that
-// the mask-free steady state is compiled without the mask's registers: at D = 64 (160
-// registers a consumer) one loop that tested per tile spilled the softmax state on every
-// round (ptxas bf16: 184 / 184 bytes stored / loaded, 4 + 4 per round), the two none (the
-// producer's 52 / 60 left).
+// whole). With Cfg::kSplitMaskLoops the main loop runs the always and never rounds as two
+// loops of their own, so that the mask-free steady state compiles without the mask's
+// registers (at D = 64, 160 a consumer, one tested loop spilled the softmax state every round).
 template <int kMode>
 using MaskStep = std::integral_constant<int, kMode>;
 constexpr int kMaskTest = 0, kMaskAlways = 1, kMaskNever = 2;
@@ -408,11 +406,11 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       to_p();
     };
     auto more = [&] { return walk.visits(n0) && !unseen(n0); };
-    n0 = walk.next(n0), ++r;
-    if constexpr (Cfg::kScoreMods) {
+    if constexpr (!Cfg::kSplitMaskLoops) {
 #pragma unroll 1
-      for (; more(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskTest>{});
+      for (n0 = walk.next(n0), ++r; more(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskTest>{});
     } else {
+      n0 = walk.next(n0), ++r;
 #pragma unroll 1
       for (;;) {  // (top down: the diagonal's tiles, the whole ones, a window's far edge)
 #pragma unroll 1
