@@ -90,16 +90,8 @@ struct FwdSm90Config {
   static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kBlockN;
   static constexpr int kStages = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kStages;
   static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kPingPong;
-  // Whether the main loop runs its masked and mask-free rounds as loops of their own
-  // (fwd_sm90_mainloop.h's MaskStep): where ptxas spills less so. bf16 spill stores / loads,
-  // one tested loop -> two: D = 64 184 / 184 -> 52 / 60 (its softmax state was spilled every
-  // round; what is left is the producer's), dropout 196 / 212 -> 68 / 112; D = 128 52 / 60
-  // either way, wide keys 84 / 92 -> 52 / 60. But D = 128 wide keys with dropout 92 / 100 (main)
-  // -> 136 / 280 and D = 256 52 / 60 -> 88 / 128 (dropout 100 / 148): those keep one loop, as
-  // does the score modifiers' copy, whose score step tests per tile anyway. (The wide dropout
-  // copy's one loop still spills 132 / 164 beside this code, 64 / 100 without it: ptxas's
-  // allocation moves with the function around the loop; to be measured in its benchmark.)
-  static constexpr bool kSplitMaskLoops = !kScoreMods && D != 256 && !(kDropout && kWideKeys);
+  static constexpr bool kSkipUnseen = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSkipUnseen;
+  static constexpr bool kSplitMaskLoops = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSplitMaskLoops;
   static constexpr bool kSeparateO = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSeparateO;
   static constexpr int kTileSlots = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kTileSlots;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows

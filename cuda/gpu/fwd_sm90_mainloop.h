@@ -96,7 +96,7 @@ struct KeyTileWalk {
 // diagonal, a window's edge or a sequence length crosses) or never (a tile every row sees
 // whole). With Cfg::kSplitMaskLoops the main loop runs the always and never rounds as two
 // loops of their own, so that the mask-free steady state compiles without the mask's
-// registers (at D = 64, 160 a consumer, one tested loop spilled the softmax state every round).
+// registers (tile_size.h: at D = 64 one tested loop spilled the softmax state every round).
 template <int kMode>
 using MaskStep = std::integral_constant<int, kMode>;
 constexpr int kMaskTest = 0, kMaskAlways = 1, kMaskNever = 2;
@@ -342,20 +342,18 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
   };
 
-  // This warpgroup's own keys: the walk covers what any of the query tile's rows sees, but
-  // under causal masking the top tiles can lie wholly right of its 64 rows' diagonal (at D = 64
-  // a 192-row tile over 128-key tiles: ~10% of the products at N = 1k), and under a window the
-  // bottom ones left of its rows' reach. Such a round is passed (its buffers released unread,
-  // its turn taken) instead of computed: a fully masked tile adds exact zeros, so the result is
-  // bitwise the same (but for a NaN in V there, which 0 * NaN no longer spreads to these rows:
-  // README's NaN rule, a key a row cannot see is not read for it). Not where V_0's padding is
-  // zeroed (zero_v): its readers meet at one barrier, from one place. Nor in the score
-  // modifiers' copy: its 128 x 128 tiles meet a causal diagonal on tile edges, and with the
-  // passes ptxas spilled 100 bytes more there (bf16 D = 128, 148 / 248 bytes stored / loaded
-  // against 48 / 88).
+  // This warpgroup's own keys (Cfg::kSkipUnseen, tile_size.h): the walk covers what any of the
+  // query tile's rows sees, but under causal masking the top tiles can lie wholly right of its
+  // 64 rows' diagonal (at D = 64 a 192-row tile over 128-key tiles: ~10% of the products at
+  // N = 1k), and under a window the bottom ones left of its rows' reach. Such a round is passed
+  // (its buffers released unread, its turn taken) instead of computed: a fully masked tile adds
+  // exact zeros, so the result is bitwise the same (but for a NaN in V there, which 0 * NaN no
+  // longer spreads to these rows: README's NaN rule, a key a row cannot see is not read for
+  // it). Not where V_0's padding is zeroed (zero_v): its readers meet at one barrier, from one
+  // place.
   const int wg_hi = min(pos.kv_len, min(wg_row0 + 64, pos.q_len) - 1 + pos.offset + pos.window_right + 1);
   const int wg_lo = wg_row0 + pos.offset - pos.window_left;
-  auto unseen = [&](int n0) { return !Cfg::kScoreMods && (n0 >= wg_hi || n0 + BN <= wg_lo); };
+  auto unseen = [&](int n0) { return Cfg::kSkipUnseen && (n0 >= wg_hi || n0 + BN <= wg_lo); };
   auto pass_k = [&](int i) {
     wait_k(i);
     mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
@@ -380,12 +378,14 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   int r = 0, n0 = top;
   if (!zero_v)
     for (; walk.visits(n0) && unseen(n0); n0 = walk.next(n0), ++r) pass_round(r, true);
-  if (walk.visits(n0)) {
+  // (Without kSkipUnseen the walk's first tile is the rows' first, and no tile follows their last:
+  // the conditions below are constants, and the code main's one loop.)
+  if (!Cfg::kSkipUnseen || walk.visits(n0)) {
     wait_k(r);  // the first tile the rows see: S alone
     begin_turn();
     issue_s(r);
     end_turn(false);
-    if (r > 0) pass_v(r - 1);
+    if (Cfg::kSkipUnseen && r > 0) pass_v(r - 1);
     wgmma_wait<0>();
     softmax(r, n0, MaskStep<kMaskTest>{});
     to_p();
@@ -424,7 +424,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     // nothing reads Q any more, and the next tile's may load during the last P V and
     // the epilogue.
     if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
-    const bool tail = walk.visits(n0);  // tiles left of the rows' window follow
+    const bool tail = Cfg::kSkipUnseen && walk.visits(n0);  // tiles left of the rows' window follow
     wait_v(r - 1);  // the last P V
     begin_turn();
     issue_pv(r - 1);
