@@ -32,8 +32,6 @@
 //   dS^T -> shared memory; barrier
 //   dQ  (its 16 x 64 blocks) = dS K            SS, both MN-major
 //   dQ  -> a shared-memory stage, for the writer
-// (At D = 64 the last sub-tile's dK goes behind dQ, so that dQ is staged while
-// it computes: bwd_sm90_dk_behind_dq.)
 //
 // Overlap inside a warpgroup: dP^T runs while P^T is computed, dV while dS^T
 // is; the two warpgroups meet at two barriers per Q tile (the tile has
@@ -125,6 +123,12 @@ struct BwdSm90Config {
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;  // and the producer's and dQ writer's
   static constexpr int kConsumerBarrier = 1;  // the consumers' named barrier
+  // dQ writers: one per dQ stage, so that a tile's reduction completes and its turn is
+  // signalled while the other stage's tile goes out (a turn's reduction takes ~1.7 us to its
+  // release, against ~2.9 us for a Q tile's products at D = 128: one writer was busy ~77% of
+  // the time and held the consumers back once they got faster). One in the segment-id copy,
+  // whose end-of-item marks go through the stages in turn.
+  static constexpr int kDqWriters = kSegmentIds ? 1 : 2;
   // Registers per thread after setmaxnreg (primitives/tma.h's balance): the
   // producer's and writer's warpgroup keeps 24 (no fewer: a producer at too few
   // hung the H100 in the forward), the consumers get 240.
@@ -135,7 +139,6 @@ struct BwdSm90Config {
                 "setmaxnreg cannot give out more registers than the launch allocated");
   static constexpr int kGroupKeys = kBlockN / 2;
   static constexpr int kSubM = 64;  // queries per S^T / dP^T product
-  static constexpr bool kDkBehindDq = bwd_sm90_dk_behind_dq(D);  // the last sub-tile's dK after dQ
   static constexpr BwdDqGrid kDq = bwd_sm90_dq_grid(D);
   // dQ's split between the warpgroups: by rows (BLOCK_M = 128) or columns.
   static constexpr bool kDqSplitRows = kBlockM == 128;
@@ -144,8 +147,9 @@ struct BwdSm90Config {
   using QTile = GmmaTile<T, kBlockM, D>;        // Q and dO
   using KTile = GmmaTile<T, kBlockN, D>;        // K and V (then dK, dV on the way out)
   using DsTile = GmmaTile<T, kBlockN, kBlockM>;  // dS^T, [key][query]
+  static constexpr int kDsStages = bwd_sm90_ds_stages(D);  // Q tile n writes buffer n % kDsStages
   // Offsets from the 1024-byte aligned base: Q / dO of stage s at 2 s (2 s + 1)
-  // QTile::kBytes, then K, V, dS^T, lse2 / delta of stage s at kStatsOff +
+  // QTile::kBytes, then K, V, dS^T's buffers, lse2 / delta of stage s at kStatsOff +
   // (2 s, 2 s + 1) BLOCK_M floats, the Q tile's row words of stage s at
   // kRowWordsOff + s BLOCK_M words (the dropout's row keys, or with kSegmentIds
   // the queries' segment ids), the two dQ stages, their mbarriers (full 0, 1,
@@ -153,7 +157,7 @@ struct BwdSm90Config {
   // (QTileStages: the Q-tile stages' full 0, 1, empty 0, 1, K / V's full and
   // empty, the item slots' full 0, 1 and empty 0, 1, then the two slots).
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
-  static constexpr int kStatsOff = kDsOff + DsTile::kBytes;
+  static constexpr int kStatsOff = kDsOff + kDsStages * DsTile::kBytes;
   static constexpr int kRowWordsOff = kStatsOff + 4 * kBlockM * 4;
   static constexpr int kDqStageOff = kRowWordsOff + 2 * kBlockM * 4;
   static constexpr int kDqTileFloats = kBlockM * D;
@@ -216,11 +220,13 @@ struct DqTurn {
 // visible range: with the named turns the plain copy measured 0.94-0.96 of
 // this at D = 128, N >= 4k (H100, kernel alone). n: the tiles staged over the
 // CTA's life (the stage and its phase).
-// times: the timeline's sums for the item (add_dq_tile; nullptr: not stamped).
+// With two writers (Cfg::kDqWriters), writer w takes the tiles staged in stage w, those of
+// even or odd n, and walks past the others. times: the timeline's sums for the item
+// (add_dq_tile; nullptr: not stamped).
 template <class Cfg>
 __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
                                                int64_t key_tile, const float* stages, const DqTurn* turns,
-                                               uint64_t* full, uint64_t* empty, uint32_t& n,
+                                               uint64_t* full, uint64_t* empty, uint32_t& n, int writer,
                                                unsigned long long* times) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
   auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
@@ -247,6 +253,7 @@ __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const B
 #pragma unroll 1
       for (int64_t i = g.first; i <= g.last; ++i, ++n) {
         const Stage<2> stage(n);
+        if (Cfg::kDqWriters == 2 && stage.index != writer) continue;
         mbar_wait(full + stage.index, stage.parity);
         add(stage, g.linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, g.b, g.linear, i, key_tile, false, 0));
       }
@@ -304,7 +311,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ char smem_raw[];
   char* const smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);  // the swizzle atoms' alignment
   const KTile sK{smem + Cfg::kKOff}, sV{smem + Cfg::kVOff};
-  const DsTile sdS{smem + Cfg::kDsOff};
+  const DsTile sdS0{smem + Cfg::kDsOff};  // the first dS^T buffer
   const QTileStages<Cfg> stages{smem};
   float* const dq_stages = reinterpret_cast<float*>(smem + Cfg::kDqStageOff);
   uint64_t* const dq_full = reinterpret_cast<uint64_t*>(smem + Cfg::kDqBarsOff);
@@ -322,7 +329,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mbar_init_fence();
   }
   __syncthreads();  // the only CTA-wide barrier: the third warpgroup leaves early
-  if (warpgroup == 0) {  // warp 0 the producer, warp 1's first thread the dQ writer
+  if (warpgroup == 0) {  // warp 0 the producer, the first threads of warps 1 (and 2) the dQ writers
     regs_release<Cfg::kWriterRegs>();
     // The warp as a shuffled, warp-uniform value: on threadIdx.x < 32 ptxas kept the two
     // roles' values live across both paths, as if a warp could take both, and spilled ~400
@@ -330,20 +337,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
     if (warp == 0) {
       produce<Cfg>(p, rt, stages, threadIdx.x);
-    } else if (threadIdx.x == 32) {
+    } else if (threadIdx.x % 32 == 0 && warp <= Cfg::kDqWriters) {
+      const int writer = warp - 1;
       uint32_t n = 0;  // dQ tiles staged over the CTA's life
 #pragma unroll 1
       for (uint32_t item = 0;; ++item) {
         const KeyTileTicket t = stages.receive_item(item);
         if (t.kept < 0) break;
-        unsigned long long times[3] = {};  // the timeline's writer sums (none outside its build)
-        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n,
+        unsigned long long times[3] = {};  // this writer's sums (none outside the timeline build)
+        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n, writer,
                             kTlEnabled && item == kTlItem ? times : nullptr);
-        if (item == kTlItem) {
-          JF_TIMELINE_NOW(rt, kTlWriterDone);
-          JF_TIMELINE(rt, kTlWriterSpin, times[0]);
-          JF_TIMELINE(rt, kTlWriterAdd, times[1]);
-          JF_TIMELINE(rt, kTlWriterTiles, times[2]);
+        if (item == kTlItem) {  // every writer adds its sums; the last one's end is kept
+          JF_TIMELINE_MAX_NOW(rt, kTlWriterDone);
+          JF_TIMELINE_ADD(rt, kTlWriterSpin, times[0]);
+          JF_TIMELINE_ADD(rt, kTlWriterAdd, times[1]);
+          JF_TIMELINE_ADD(rt, kTlWriterTiles, times[2]);
         }
       }
     }
@@ -363,7 +371,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // one origin and an XOR per store (GmmaTile::origin_at). The sixteen addresses formed
   // from scratch were hoisted out of the Q-tile loop as 16 registers, half of them spilled
   // and reloaded for every tile (D = 128) once the loads left the consumers.
-  const uint32_t ds_origin = sdS.origin(warp_key0 + lane / 4, 2 * (lane % 4));
+  // (Buffer n's at + n DsTile::kBytes: a multiple of 1024 keeps the swizzle's phase.)
+  const uint32_t ds_origin0 = sdS0.origin(warp_key0 + lane / 4, 2 * (lane % 4));
 
   // The soft-cap (kScoreMods): tanh's argument is S^T score_mul / softcap2.
   const bool capped = kMods && rt.softcap2 > 0.f;
@@ -434,6 +443,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // thread's products that read them are complete: it waited for them before its last
       // tile's release), wait for the new ones, and zero the rows a sequence length hides
       // (visible to the tensor cores after the first tile's fence and barrier).
+      bool kv_zeroed = false;  // rows of K / V zeroed, which the next tile's products read
       if (!holds_kv || rt.kv_per_instance) {
         if (holds_kv) mbar_arrive(stages.kv_empty());
         if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlKvIssue);
@@ -445,6 +455,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (kv_rows < rows_end) {
           zero_rows(sK, static_cast<int>(kv_rows), static_cast<int>(rows_end), tid, kThreads);
           zero_rows(sV, static_cast<int>(kv_rows), static_cast<int>(rows_end), tid, kThreads);
+          kv_zeroed = true;
         }
       }
 
@@ -459,22 +470,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // Rows [q_len, T) of the tile hold the tensor's padding, which may be anything,
         // NaN included: zeros, as the cp.async copies' zero fill gave (rows past T the
         // TMA zero-filled).
-        if (m0 + BM > b.q_len && b.q_len < p.seqlen_q) {
+        // (The same for all the consumers, as the barrier below needs.)
+        const bool q_zeroed = m0 + BM > b.q_len && b.q_len < p.seqlen_q;
+        if (q_zeroed) {
           const int row0 = static_cast<int>(b.q_len - m0), row_end = static_cast<int>(min(p.seqlen_q - m0, int64_t{BM}));
           zero_rows(sQ, row0, row_end, tid, kThreads);
           zero_rows(sdO, row0, row_end, tid, kThreads);
         }
-        fence_proxy_async_shared();  // the zeros, before the tensor cores read them
-        // Every warpgroup's dQ product of the previous tile (which reads all of dS^T) is
-        // complete: each waited for its own before this barrier.
-        named_sync(Cfg::kConsumerBarrier, kThreads);
+        // This tile's dS^T buffer: with one, the previous tile's dQ products (every
+        // warpgroup's, each waited for its own) must be complete before it is overwritten;
+        // with two, they were before the previous tile's dS^T barrier, where each warpgroup
+        // arrived after its dQ of the tile before (which read this buffer).
+        const int ds_stage = static_cast<int>(q_tile_n % Cfg::kDsStages);
+        const DsTile sdS{sdS0.ptr + ds_stage * DsTile::kBytes};
+        const uint32_t ds_origin = ds_origin0 + ds_stage * DsTile::kBytes;
+        if (Cfg::kDsStages == 1 || q_zeroed || kv_zeroed) {
+          fence_proxy_async_shared();  // the zeros, before the tensor cores read them
+          named_sync(Cfg::kConsumerBarrier, kThreads);
+          kv_zeroed = false;
+        }
         const float* lse2 = stages.lse2(stage.index);
         const float* delta = stages.delta(stage.index);
         const uint32_t* tile_row_words = stages.row_words(stage.index);
 
         const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
         const bool id_test = ids && rt.segments.needs_test(linear, i, key_tile);
-        // dS^T as an A operand (kDkBehindDq: the last sub-tile's is kept for dK, below).
+        // The last sub-tile's dS^T as an A operand: its dK product waits for dQ's (below).
         uint32_t dsa[kSubM / 16][4];
         // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
   #pragma unroll
@@ -594,7 +615,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           wgmma_fence();
   #pragma unroll
           for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dv, pa[j], do_op.step(q0 / 16 + j), true);
-          if (!Cfg::kDkBehindDq || sub + 1 < BM / kSubM)
+          if (sub + 1 < BM / kSubM)  // (the last sub-tile's dK goes after dQ, below)
   #pragma unroll
             for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dk, dsa[j], q_op.step(q0 / 16 + j), true);
           wgmma_commit();
@@ -610,12 +631,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) wgmma_ss<T, 64, true, true>(dq, ds_op.step(kk), k_op.step(kk), kk > 0);
           wgmma_commit();
-          if constexpr (Cfg::kDkBehindDq) {  // the last sub-tile's dK, while dQ is handed over
-            const GmmaOperand<QTile, true> q_op(sQ, 0);
+          // The last sub-tile's dK behind it: dQ is handed over while dK computes.
+          constexpr int q_last = BM - kSubM;
+          const GmmaOperand<QTile, true> q_op(sQ, 0);
   #pragma unroll
-            for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dk, dsa[j], q_op.step((BM - kSubM) / 16 + j), true);
-            wgmma_commit();
-          }
+          for (int j = 0; j < kSubM / 16; ++j) wgmma_rs<T, D, true>(dk, dsa[j], q_op.step(q_last / 16 + j), true);
+          wgmma_commit();
         }
         // kSegmentIds: the key tile's turn on this Q tile (bwd_dq.h), counting only the key
         // tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
@@ -623,13 +644,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if constexpr (kIds) {
           turn = DqTurn{linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, true, lane)};
         }
-        wgmma_wait<Cfg::kDkBehindDq ? 1 : 0>();  // dQ and the products before it
+        wgmma_wait<1>();  // dQ (and dV): the last dK may still run
         hold_acc(dq);
         // To the writer: each warp's block in the accumulator's layout.
         hand_over(turn, [&](float* stage_floats) {
           stage_dq_frags(dq, stage_floats + dq_warp * kDqWarpFloats, lane);
         });
-        if constexpr (Cfg::kDkBehindDq) wgmma_wait<0>();  // dK: the stage's operands are free
+        wgmma_wait<0>();  // dK: the stage's operands are free
         mbar_arrive(stages.empty(stage.index));  // this thread's last reads of the stage
       }
     }

@@ -145,7 +145,7 @@ struct QTileStages {
       mbar_init(full(s), kFullArrivals);
       mbar_init(empty(s), kEmptyArrivals);
       mbar_init(item_full(s), 1);
-      mbar_init(item_empty(s), Cfg::kConsumerThreads + 1);  // and the writer
+      mbar_init(item_empty(s), Cfg::kConsumerThreads + Cfg::kDqWriters);  // and the writers
     }
     mbar_init(kv_full(), 1);
     mbar_init(kv_empty(), Cfg::kConsumerThreads);

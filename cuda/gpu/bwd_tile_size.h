@@ -175,20 +175,21 @@ constexpr BwdDqGrid bwd_sm90_dq_grid(int d) {
   return {bwd_sm90_block_m(d), 1, d, d / 64, 16, 64, 1, 8, 8};
 }
 
-// Where a Q tile's last dK product goes: behind its dQ product, so that dQ is handed to the
-// writer while dK computes (FlashAttention-3's order), or before it, beside dV. Measured on
-// the H200 (kernel alone against the other order, scripts/ab_kernels.sh, 2 rounds,
-// 2026-11-28): D = 64 1.01-1.02x in every cell of the bench; D = 128 1.03x at N = 1k, 1.00-1.02x
-// at 4k causal and 16k, but 0.97x at N = 4k without masking, so D = 128 keeps dK beside dV
-// (its faster consumers were held at the one dQ writer's rate: docs/DESIGN.md).
-// (Two dS^T buffers at D = 128, which drop the tile's first consumer barrier, measured
-// 0.99-1.04x alone and 0.92-1.07x with dK behind dQ: neither kept.)
+// dS^T's buffers: two where they fit beside the rest (D = 128: 232112 of the 232448 bytes
+// an sm_90 block may have), so that a tile's dS^T stores need not wait for the other
+// warpgroup's dQ product of the previous tile, which reads the other buffer (one barrier
+// per Q tile instead of two); one at D = 64, whose 32 KB dS^T tiles would not fit twice.
+// With a Q tile's last dK product behind its dQ product at both head dims (dQ goes to the
+// writers while dK computes: FlashAttention-3's order) and two dQ writers: H200, kernel alone
+// against main (5731eac), 2 rounds, D = 128 1.05-1.08x in every cell, D = 64 0.98-1.02x
+// (BENCHMARKS.md, 2026-11-28 evening). With one writer the same order lost 7% at D = 128
+// N = 4k: the writer's rate was the bound (docs/DESIGN.md).
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
-constexpr bool bwd_sm90_dk_behind_dq(int d) { return d == 64; }
+constexpr int bwd_sm90_ds_stages(int d) { return d == 128 ? 2 : 1; }
 
-// Dynamic shared memory: the tiles, the per-stage row statistics (lse2, delta
+// Dynamic shared memory: the tiles (dS^T's bwd_sm90_ds_stages), the per-stage row statistics (lse2, delta
 // and a word per row: the dropout's row key or the query's segment id), the
 // two dQ stages, their four mbarriers and two 16-byte turns (DqTurn), the loads'
 // ten mbarriers (the Q-tile stages' four, K / V's two, the item slots' four) and
@@ -198,7 +199,7 @@ __host__ __device__
 #endif
 constexpr int bwd_sm90_smem_bytes(int d) {
   const int bm = bwd_sm90_block_m(d), bn = kBwdSm90BlockN;
-  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 2 * 16 + 10 * 8 + 2 * 16 + 1024;
+  return 2 * 2 * bm * d * 2 + 2 * bn * d * 2 + bwd_sm90_ds_stages(d) * bn * bm * 2 + 2 * 3 * bm * 4 + 2 * bm * d * 4 + 4 * 8 + 2 * 16 + 10 * 8 + 2 * 16 + 1024;
 }
 
 static_assert(bwd_sm90_block_m(64) == bwd_tiles(2, 64, false).block_m &&

@@ -90,6 +90,8 @@ struct FwdSm90Config {
   static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kBlockN;
   static constexpr int kStages = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kStages;
   static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kPingPong;
+  static constexpr bool kSkipUnseen = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSkipUnseen;
+  static constexpr bool kSplitMaskLoops = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSplitMaskLoops;
   static constexpr bool kSeparateO = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSeparateO;
   static constexpr int kTileSlots = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kTileSlots;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fwd_scores.h"
 #include "kernel_traits.h"
@@ -90,6 +91,15 @@ struct KeyTileWalk {
     return Cfg::kSegmentIds && segments.needs_test(linear, q_tile, n0 / BN);
   }
 };
+
+// How a round applies the position mask: tested per tile, always (a tile that a causal
+// diagonal, a window's edge or a sequence length crosses) or never (a tile every row sees
+// whole). With Cfg::kSplitMaskLoops the main loop runs the always and never rounds as two
+// loops of their own, so that the mask-free steady state compiles without the mask's
+// registers (tile_size.h: at D = 64 one tested loop spilled the softmax state every round).
+template <int kMode>
+using MaskStep = std::integral_constant<int, kMode>;
+constexpr int kMaskTest = 0, kMaskAlways = 1, kMaskNever = 2;
 
 // Named barrier ids (0 is __syncthreads'): each consumer warpgroup's turn to
 // issue (kPingPong: two consumers), and the consumers' meeting after zeroing
@@ -308,13 +318,15 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     wgmma_commit();
   };
   // S_i (keys n0..) has landed: release K_i, mask, softmax.
-  auto softmax = [&](int i, int n0) {
+  auto softmax = [&](int i, int n0, auto mask_step) {
     hold_acc(s);
     mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
     if constexpr (Cfg::kScoreMods) {
       score_tile<Cfg>(s, p, rt, pos, ops, warp_row0, n0, full.contain(n0), walk.needs_id_test(n0), lane);
-    } else if (!full.contain(n0)) {
+    } else if constexpr (decltype(mask_step)::value == kMaskAlways) {
       mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+    } else if constexpr (decltype(mask_step)::value == kMaskTest) {
+      if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
     }
     softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
     // After the softmax's sums: dropout changes what reaches O, not the normaliser.
@@ -330,46 +342,106 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
   };
 
+  // This warpgroup's own keys (Cfg::kSkipUnseen, tile_size.h): the walk covers what any of the
+  // query tile's rows sees, but under causal masking the top tiles can lie wholly right of its
+  // 64 rows' diagonal (at D = 64 a 192-row tile over 128-key tiles: ~10% of the products at
+  // N = 1k), and under a window the bottom ones left of its rows' reach. Such a round is passed
+  // (its buffers released unread, its turn taken) instead of computed: a fully masked tile adds
+  // exact zeros, so the result is bitwise the same (but for a NaN in V there, which 0 * NaN no
+  // longer spreads to these rows: README's NaN rule, a key a row cannot see is not read for
+  // it). Not where V_0's padding is zeroed (zero_v): its readers meet at one barrier, from one
+  // place.
+  const int wg_hi = min(pos.kv_len, min(wg_row0 + 64, pos.q_len) - 1 + pos.offset + pos.window_right + 1);
+  const int wg_lo = wg_row0 + pos.offset - pos.window_left;
+  auto unseen = [&](int n0) { return Cfg::kSkipUnseen && (n0 >= wg_hi || n0 + BN <= wg_lo); };
+  auto pass_k = [&](int i) {
+    wait_k(i);
+    mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
+  };
+  auto pass_v = [&](int i) {
+    wait_v(i);
+    mbar_arrive_if(sm.v_empty(Stage<S>(kv + i).index), lane == 0);
+  };
+  // A passed round r: K_r (but round n's), V_{r - 1} (but round 0's), the turn.
+  auto pass_round = [&](int r, bool has_k) {
+    if (has_k) pass_k(r);
+    if (r > 0) pass_v(r - 1);
+    if constexpr (Cfg::kPingPong) named_sync(kTurnBarrier + wg, Cfg::kConsumerThreads);
+    end_turn(!has_k);
+  };
+
   mbar_wait(sm.q_full(), n & 1u);
   // Warpgroup 0 goes first. Each query tile's turns balance on both barriers
   // (warpgroup 1's last turn hands over none), so the next tile starts afresh.
   if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
 
-  wait_k(0);  // round 0: S_0 alone
-  begin_turn();
-  issue_s(0);
-  end_turn(false);
-  wgmma_wait<0>();
-  softmax(0, top);
-  to_p();
-  int r = 1;
-#pragma unroll 1
-  for (int n0 = walk.next(top); walk.visits(n0); n0 = walk.next(n0), ++r) {
-    // rounds 1 .. n - 1: S_r, then P_{r-1} V_{r-1}
-    wait_k(r);
-    wait_v(r - 1);
+  int r = 0, n0 = top;
+  if (!zero_v)
+    for (; walk.visits(n0) && unseen(n0); n0 = walk.next(n0), ++r) pass_round(r, true);
+  // (Without kSkipUnseen the walk's first tile is the rows' first, and no tile follows their last:
+  // the conditions below are constants, and the code main's one loop.)
+  if (!Cfg::kSkipUnseen || walk.visits(n0)) {
+    wait_k(r);  // the first tile the rows see: S alone
     begin_turn();
     issue_s(r);
-    issue_pv(r - 1);
     end_turn(false);
-    wgmma_wait<1>();
-    softmax(r, n0);
+    if (Cfg::kSkipUnseen && r > 0) pass_v(r - 1);
+    wgmma_wait<0>();
+    softmax(r, n0, MaskStep<kMaskTest>{});
+    to_p();
+    // the next ones: S_r, then P_{r-1} V_{r-1}
+    auto round = [&](auto mask_step) {
+      wait_k(r);
+      wait_v(r - 1);
+      begin_turn();
+      issue_s(r);
+      issue_pv(r - 1);
+      end_turn(false);
+      wgmma_wait<1>();
+      softmax(r, n0, mask_step);
+      wgmma_wait<0>();
+      pv_done(r - 1);
+      rescale_row(o, 0, 0, alpha[0]);
+      rescale_row(o, 0, 1, alpha[1]);
+      to_p();
+    };
+    auto more = [&] { return walk.visits(n0) && !unseen(n0); };
+    if constexpr (!Cfg::kSplitMaskLoops) {
+#pragma unroll 1
+      for (n0 = walk.next(n0), ++r; more(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskTest>{});
+    } else {
+      n0 = walk.next(n0), ++r;
+#pragma unroll 1
+      for (;;) {  // (top down: the diagonal's tiles, the whole ones, a window's far edge)
+#pragma unroll 1
+        for (; more() && !full.contain(n0); n0 = walk.next(n0), ++r) round(MaskStep<kMaskAlways>{});
+#pragma unroll 1
+        for (; more() && full.contain(n0); n0 = walk.next(n0), ++r) round(MaskStep<kMaskNever>{});
+        if (!more()) break;
+      }
+    }
+    // Every S product is done (the last softmax read it): with O in a buffer of its own
+    // nothing reads Q any more, and the next tile's may load during the last P V and
+    // the epilogue.
+    if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
+    const bool tail = Cfg::kSkipUnseen && walk.visits(n0);  // tiles left of the rows' window follow
+    wait_v(r - 1);  // the last P V
+    begin_turn();
+    issue_pv(r - 1);
+    end_turn(!tail);
+    if (tail) pass_k(r);
     wgmma_wait<0>();
     pv_done(r - 1);
-    rescale_row(o, 0, 0, alpha[0]);
-    rescale_row(o, 0, 1, alpha[1]);
-    to_p();
+    if (tail)
+      for (n0 = walk.next(n0), ++r;; n0 = walk.next(n0), ++r) {
+        const bool has_k = walk.visits(n0);
+        pass_round(r, has_k);
+        if (!has_k) break;
+      }
+  } else {  // no tile the rows see: O = 0, lse = -inf, as for fully masked rows
+    if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
+    pass_round(r, false);
   }
-  // Every S product is done (the last softmax read it): with O in a buffer of its own
-  // nothing reads Q any more, and the next tile's may load during the last P V and
-  // the epilogue.
-  if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
-  wait_v(r - 1);  // round n: the last P V
-  begin_turn();
-  issue_pv(r - 1);
-  end_turn(true);
-  wgmma_wait<0>();
-  pv_done(r - 1);
   kv += r;
 }
 

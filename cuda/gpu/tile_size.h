@@ -107,6 +107,22 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // The copy with score modifiers (kScoreMods: soft-cap, ALiBi, segment ids, a
 // folded scale) at D = 64 takes D = 128's shape: at 160 registers its
 // consumers spilled 724 / 792 bytes (stored / loaded), at 240 none.
+//
+// D = 64's main loop (fwd_sm90_mainloop.h), both measured together (H200, bf16, kernel
+// alone against main, 2 alternating rounds, 2026-11-28): 1.11x at N = 1k causal, 1.03x at 4k
+// causal, 1.01-1.02x elsewhere.
+//   kSkipUnseen: a consumer passes the key tiles its own 64 rows cannot see (under causal
+//     masking a 192-row tile's top tiles right of the first warpgroups' diagonals; a window's
+//     far edge) instead of computing them masked: ~10% of the products at N = 1k causal.
+//   kSplitMaskLoops: the masked and the mask-free rounds as two loops, so that the steady
+//     state compiles without the mask's registers. ptxas bf16 spill stores / loads, whole
+//     kernel: 184 / 184 -> 52 / 60 (the softmax state had been spilled every round; what is
+//     left is the producer's), the dropout copy 196 / 212 -> 68 / 112.
+// Not at D = 128 / 256, where the same code measured 0.98-0.99x (256: 0.97-0.99x): their
+// 64-row warpgroups over 128-key (64 at D = 256) tiles leave little unseen, and at D = 256
+// the split loops spilled more (52 / 60 -> 88 / 128), at D = 128 with wide keys and dropout
+// too (92 / 100 -> 136 / 280). Nor in the score modifiers' copy, whose score step tests per
+// tile anyway.
 template <int D, bool kScoreMods = false, bool kWideKeys = false>
 struct FwdSm90TileSize {
   static_assert(!kWideKeys || (D == 128 && !kScoreMods), "measured at D = 128, plain and dropout copies");
@@ -117,6 +133,8 @@ struct FwdSm90TileSize {
   static constexpr bool kPingPong = !kThreeConsumers;  // two consumers take turns
   static constexpr bool kSeparateO = D != 256;  // O's own staging buffer (above)
   static constexpr int kTileSlots = 2;  // tiles the producer may hand over ahead of the consumers
+  static constexpr bool kSkipUnseen = kThreeConsumers;      // (above: D = 64, not kScoreMods)
+  static constexpr bool kSplitMaskLoops = kThreeConsumers;
 };
 
 // Its shared memory: Q, O where kSeparateO, kStages K and V tiles, the mbarriers

@@ -21,10 +21,10 @@ enum BwdTimelineEvent : int {
   kTlFirstQ = 3,      // consumer 0: the item's first Q tile has landed
   kTlLoopDone = 4,    // consumer 0: its last Q tile handed to the writer, K / V released
   kTlEpiStored = 5,   // consumer 0: its dK / dV stores issued
-  kTlWriterDone = 6,  // the dQ writer: the item's last turn signalled
-  kTlWriterSpin = 7,  // the dQ writer: ns spent waiting for the item's turns, summed
-  kTlWriterAdd = 8,   // the dQ writer: ns from issuing a tile's reduction to its turn's release, summed
-  kTlWriterTiles = 9,  // the dQ writer: the item's tiles
+  kTlWriterDone = 6,  // the dQ writers: the item's last turn signalled
+  kTlWriterSpin = 7,  // the dQ writers: ns spent waiting for the item's turns, summed
+  kTlWriterAdd = 8,   // the dQ writers: ns from issuing a tile's reduction to its turn's release, summed
+  kTlWriterTiles = 9,  // the dQ writers: the item's tiles
   kTlEvents = 10,     // a CTA's row
   kTlCtas = 8192,     // rows: CTAs past these wrap
   kTlItem = 1,        // the item stamped
@@ -40,10 +40,18 @@ __device__ __forceinline__ unsigned long long timeline_now() {
 #define JF_TIMELINE(rt, event, value) \
   ((rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)] = (value))
 #define JF_TIMELINE_NOW(rt, event) JF_TIMELINE(rt, event, ::jaxflash::gpu::timeline_now())
+// For events that several warps stamp (the dQ writers): sums add, ends keep the latest.
+#define JF_TIMELINE_ADD(rt, event, value) \
+  atomicAdd(&(rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)], (value))
+#define JF_TIMELINE_MAX_NOW(rt, event)                                                                    \
+  atomicMax(&(rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)], \
+            ::jaxflash::gpu::timeline_now())
 #else
 constexpr bool kTlEnabled = false;
 #define JF_TIMELINE(rt, event, value) ((void)0)
 #define JF_TIMELINE_NOW(rt, event) ((void)0)
+#define JF_TIMELINE_ADD(rt, event, value) ((void)0)
+#define JF_TIMELINE_MAX_NOW(rt, event) ((void)0)
 #endif
 
 }  // namespace jaxflash::gpu
