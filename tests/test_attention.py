@@ -511,12 +511,36 @@ def _large_cases():
   return params
 
 
+# The sm_90 forward's tile geometry (GPU only, like the large grid): 16-bit at D = 64, whose
+# 192-row tiles of three 64-row warpgroups over 128-key tiles let a warpgroup pass the key tiles
+# its own rows cannot see (the top ones under causal masking, the bottom ones beyond a window's
+# left edge, with the query tile's other warpgroups computing them), and D = 128's 160-key tiles
+# from 2k keys, under windows whose edges cross tiles, bottom-right alignment (a diagonal that
+# does not fall on tile edges) and lengths (V's padding zeroed in the first key tile).
+SM90_GEOMETRY = (
+    ("window_40_0", "bfloat16", 64, 700, 700, dict(window=(40, 0))),
+    ("window_70_70", "float16", 64, 450, 450, dict(window=(70, 70))),
+    ("causal_window_100", "float16", 64, 1000, 1000, dict(is_causal=True, window=(100, 0))),
+    ("bottom_right_causal", "bfloat16", 64, 577, 900, dict(alignment="bottom_right",
+                                                            is_causal=True)),
+    ("causal_lengths", "float16", 64, 500, 500, dict(is_causal=True, batch=3, q_lengths=True,
+                                                      kv_lengths=True)),
+    ("window_200_0", "bfloat16", 128, 2100, 2100, dict(window=(200, 0))),
+)
+
+
+def _sm90_geometry_cases():
+  return [pytest.param(Case(dtype=dtype, head_dim=head_dim, q_len=T, kv_len=S, num_heads=2,
+                            num_kv_heads=2, **overrides), id="sm90-" + name)
+          for name, dtype, head_dim, T, S, overrides in SM90_GEOMETRY]
+
+
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_attention_matches_reference(case: Case, backend, device):
   check_against_reference(case, backend, device)
 
 
-@pytest.mark.parametrize("case", _large_cases())
+@pytest.mark.parametrize("case", _large_cases() + _sm90_geometry_cases())
 def test_large_attention_matches_reference(case: Case, backend, device):
   if backend == "cpu":
     pytest.skip("the large grid runs on the GPU only (the CPU kernels take the shared grid)")
