@@ -238,6 +238,13 @@ def _attend(q, k, v, bias, mask, is_causal, options):
     # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
     return call(mask=mask, is_causal=is_causal)
   found = mask_structure(jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len)))
+  return run_as(found, call, mask, is_causal, options)
+
+
+def run_as(found: MaskStructure, call, mask, is_causal, options):
+  """The kernel call that `found` says reproduces `mask`, picked on the device by a
+  ``lax.switch`` over every candidate call (compiled all; one runs). Apart from _attend so that
+  benchmarks/flax_mask_path.py can time the switch without the classification."""
   kind = found.kind
   if is_causal:  # the mask and causality: padding becomes causal padding, segments causal ones
     kind = jnp.where(kind == PADDING, CAUSAL_PADDING,

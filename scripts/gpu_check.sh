@@ -5,8 +5,8 @@
 #
 #   scripts/gpu_check.sh tests   build, native self-tests, the GPU test suite
 #   scripts/gpu_check.sh bench   build, compute-sanitizer, the benchmark protocol
-#   scripts/gpu_check.sh cli     build, `python -m jaxflash --plot`, the dropout and score-modifier
-#                                benchmarks
+#   scripts/gpu_check.sh cli     build, `python -m jaxflash --plot`, the dropout, score-modifier
+#                                and Flax mask-path benchmarks
 #   scripts/gpu_check.sh multi   build, the sharding tests on the GPUs, the multi-GPU
 #                                benchmark (on a machine of several GPUs: nvidia-h200-x2)
 #   scripts/gpu_check.sh full    all of it (about 18 minutes on an H100)
@@ -134,6 +134,7 @@ if want cli; then
   step main_job main_job.log 200 python3 -m jaxflash --plot "$OUT/plots"
   step dropout dropout.log 240 python3 "$REPO/benchmarks/dropout_overhead.py"
   step modifiers modifiers.log 240 python3 "$REPO/benchmarks/score_modifiers.py"
+  step flax_mask flax_mask.log 120 python3 "$REPO/benchmarks/flax_mask_path.py"
 fi
 
 echo
@@ -147,5 +148,6 @@ grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/dropout.log" ] && cat "$OUT/dropout.log"
 [ -f "$OUT/modifiers.log" ] && cat "$OUT/modifiers.log"
+[ -f "$OUT/flax_mask.log" ] && cat "$OUT/flax_mask.log"
 [ -f "$OUT/multi_bench.log" ] && cat "$OUT/multi_bench.log"
 exit $FAILED

@@ -378,8 +378,8 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   int r = 0, n0 = top;
   if (!zero_v)
     for (; walk.visits(n0) && unseen(n0); n0 = walk.next(n0), ++r) pass_round(r, true);
-  // (Without kSkipUnseen the walk's first tile is the rows' first, and no tile follows their last:
-  // the conditions below are constants, and the code main's one loop.)
+  // (Without kSkipUnseen every tile of the walk is computed: the conditions below are then
+  // constants, and the code reduces to one tested loop.)
   if (!Cfg::kSkipUnseen || walk.visits(n0)) {
     wait_k(r);  // the first tile the rows see: S alone
     begin_turn();
