@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import statistics
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import flax
 import numpy as np
 import optax
 from flax import nnx
@@ -164,6 +166,9 @@ def cudnn_unavailable_reason(size: Size, dtype) -> str | None:
   if dtype != jnp.bfloat16:
     return (f"cuDNN's attention takes 16-bit inputs only, and this run computes in {dtype} (use "
             f"--dtype bfloat16)")
+  if "is_causal" not in inspect.signature(nnx.MultiHeadAttention.__call__).parameters:
+    return (f"the cudnn run makes its attention causal by is_causal, which flax "
+            f"{flax.__version__}'s nnx.MultiHeadAttention does not take (flax 0.12.2 and later do)")
   # Forward and backward compiled ahead for the model's attention shapes: whatever would stop
   # the cudnn run (a GPU that is not NVIDIA's, too old a GPU or cuDNN, a shape cuDNN does not
   # take) stops this first, as a reason instead of a trace from the middle of the runs.
@@ -220,9 +225,10 @@ class Block(nnx.Module):
     self.mlp_out = nnx.Linear(4 * d, d, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, causal_mask):
-    """``causal_mask`` None: the attention is made causal by ``is_causal`` instead."""
-    x = x + self.attention(self.attention_norm(x), mask=causal_mask,
-                           is_causal=causal_mask is None)
+    """``causal_mask`` None: the attention is made causal by ``is_causal`` instead (an argument
+    of ``nnx.MultiHeadAttention`` from flax 0.12.2, so only the cudnn run passes it)."""
+    causality = dict(mask=causal_mask) if causal_mask is not None else dict(is_causal=True)
+    x = x + self.attention(self.attention_norm(x), **causality)
     return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
