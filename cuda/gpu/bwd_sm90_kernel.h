@@ -34,8 +34,11 @@
 //   dQ  -> a shared-memory stage, for the writer
 //
 // Overlap inside a warpgroup: dP^T runs while P^T is computed, dV while dS^T
-// is; the two warpgroups meet at two barriers per Q tile (the tile has
-// landed and the previous one's dS^T is no longer read; dS^T is complete).
+// is, and the last sub-tile's dK while dQ goes to the writers. The two
+// warpgroups meet at two barriers per Q tile (the tile has landed and the
+// previous one's dS^T is no longer read; dS^T is complete); at D = 128, with
+// two dS^T buffers (bwd_sm90_ds_stages), only at the second, unless the tile
+// zeroed rows.
 //
 // The loads: a producer warp (warp 0 of the third warpgroup) fills a two-stage
 // ring with each Q tile's Q and dO (TMA), lse2 and delta (bulk copies) and row
@@ -48,7 +51,8 @@
 // registers straight to global memory (store_key_rows), so K / V's shared
 // memory is free for the next item's load during the epilogue.
 //
-// The dQ writer: one thread of the third warpgroup (warp 1's first) adds each
+// The dQ writers: a thread of the third warpgroup (the first of warp 1, and of
+// warp 2: one per dQ stage, BwdSm90Config::kDqWriters) adds each
 // staged dQ tile to the accumulator in the tile's turn (bwd_dq.h's protocol), so the
 // consumers never wait for another CTA's turn nor pay the GPU-scope release
 // of their own: on the H100 those were ~30% of the consumer warps' stall

@@ -37,15 +37,14 @@ __device__ __forceinline__ unsigned long long timeline_now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-#define JF_TIMELINE(rt, event, value) \
-  ((rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)] = (value))
+// The event's word in this CTA's row.
+#define JF_TIMELINE_SLOT(rt, event) \
+  ((rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)])
+#define JF_TIMELINE(rt, event, value) (JF_TIMELINE_SLOT(rt, event) = (value))
 #define JF_TIMELINE_NOW(rt, event) JF_TIMELINE(rt, event, ::jaxflash::gpu::timeline_now())
 // For events that several warps stamp (the dQ writers): sums add, ends keep the latest.
-#define JF_TIMELINE_ADD(rt, event, value) \
-  atomicAdd(&(rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)], (value))
-#define JF_TIMELINE_MAX_NOW(rt, event)                                                                    \
-  atomicMax(&(rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)], \
-            ::jaxflash::gpu::timeline_now())
+#define JF_TIMELINE_ADD(rt, event, value) atomicAdd(&JF_TIMELINE_SLOT(rt, event), (value))
+#define JF_TIMELINE_MAX_NOW(rt, event) atomicMax(&JF_TIMELINE_SLOT(rt, event), ::jaxflash::gpu::timeline_now())
 #else
 constexpr bool kTlEnabled = false;
 #define JF_TIMELINE(rt, event, value) ((void)0)
