@@ -49,7 +49,7 @@ template <class Cfg>
 __device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const FwdRuntime& rt,
                                                  const Positions& pos, void* o_origin, float* lse_origin, int m0,
                                                  const typename Cfg::QTile& sO, float (&o)[Cfg::kMF][Cfg::kDF][4],
-                                                 const SoftmaxState<Cfg::kMF>& st, int tid) {
+                                                 const typename Cfg::State& st, int tid) {
   using T = typename Cfg::T;
   const int lane = tid % 32;
   const int warp_row = (tid / 32) * Cfg::kWarpRows;
@@ -60,7 +60,9 @@ __device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const
   for (int mf = 0; mf < Cfg::kMF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) live[mf][h] = row0 + frag_row(mf, 2 * h, lane) < pos.q_len;
-  softmax_finalize(o, st, rt.out_scale, live, [&](int mf, int h, LseSplit lse) {
+  const auto as_operand = [](float x) { return PvOps<T, Cfg::kF32Mma>::as_operand(x); };
+  softmax_finalize(o, st, rt.out_scale, live, rt.exp_scale, !p.has(kDropout), as_operand,
+                   [&](int mf, int h, LseSplit lse) {
     const int t = row0 + frag_row(mf, 2 * h, lane);
     // One lane of each quad owns the row.
     if (lse_origin != nullptr && (lane & 3) == 0 && t < p.seqlen_q) {

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     for (int df = 0; df < Cfg::kDF; ++df)
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[mf][df][i] = 0.f;
-  SoftmaxState<Cfg::kMF> st;
+  typename Cfg::State st;
   st.init();
 
   // No visible key for any row (or all rows padding): the epilogue alone

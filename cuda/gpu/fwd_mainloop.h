@@ -48,7 +48,7 @@ __device__ __forceinline__ void forward_mainloop(const AttentionParams& p, const
                                                  const Positions& pos, const FwdOperands<typename Cfg::T>& ops,
                                                  int64_t linear, int m0, int key_lo, int key_hi,
                                                  const typename Cfg::QTile& sQ, const typename Cfg::KTile& sK, const typename Cfg::VTile& sV,
-                                                 float (&o)[Cfg::kMF][Cfg::kDF][4], SoftmaxState<Cfg::kMF>& st,
+                                                 float (&o)[Cfg::kMF][Cfg::kDF][4], typename Cfg::State& st,
                                                  int tid) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kThreads = Cfg::kThreads;

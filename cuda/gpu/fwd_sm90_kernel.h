@@ -82,6 +82,8 @@ struct FwdSm90Config {
   static constexpr bool kDropout = kDropout_;
   static constexpr bool kScoreMods = kScoreMods_;
   static_assert(!(kDropout && kScoreMods), "one copy or the other");
+  static constexpr F32Mma kF32Mma = F32Mma::kTf32;  // (16-bit only: no float32 products)
+  using State = SoftmaxState<1>;  // with each row's largest score (softmax_finalize)
   // What score_tile (fwd_scores.h) does over a warp's m16 x BLOCK_N block of S: in the
   // kScoreMods copy its general steps and the segment ids' test; never a bias or a mask
   // (fwd_sm90_case), whose code would only cost registers.
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const bool any = walk.visits(top);
     Acc<Cfg::kHeadDim> o;
     zero_frags(o);
-    SoftmaxState<1> st;
+    typename Cfg::State st;
     st.init();
     // The consumers' work under runtime `crt`.
     auto consume = [&](const FwdRuntime& crt) {

@@ -9,6 +9,7 @@
 
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
+#include "primitives/softmax.h"
 #include "primitives/tma.h"
 #include "segment_tiles.h"
 #include "tile_size.h"
@@ -49,6 +50,12 @@ struct FwdConfig {
   static constexpr int kNF = kBlockN / 8;             // n8 fragments of a score tile
   static constexpr int kDF = D / 8;                   // n8 fragments of O
   static_assert(kWarpRows % 16 == 0, "a warp owns whole m16 fragments");
+  // Each row's largest score, for the normaliser's correction (softmax_finalize): not in the
+  // fast 16-bit variant, where its two registers per m16 row cost spills (ptxas bf16 D = 128:
+  // sm_80 188 / 356 -> 276 / 416 bytes stored / loaded, sm_90a 140 / 308 -> 308 / 432). That
+  // variant runs 16-bit D = 64 / 128 where the sm_90 kernels do not (sm_80 / sm_89).
+  static constexpr bool kTrackMax = kGeneral || sizeof(T) == 4;
+  using State = SoftmaxState<kMF, kTrackMax>;
 
   using QTile = SmemTile<T, kBlockM, D>;  // Q, then O on its way out
   using KTile = SmemTile<T, kBlockN, D>;

@@ -34,6 +34,9 @@ struct PvOps16 : SmemFrag16<T> {
     SmemFrag16<T>::template load_b2<BOrder::kKN, DF0, KK * 16, Tile::chunk_bits(1, 0)>(b[0], b[1], v, c);
   }
 
+  // The value the product takes for a probability x (softmax_finalize).
+  __device__ __forceinline__ static float as_operand(float x) { return static_cast<float>(T(x)); }
+
   // P (C fragments over keys) -> A fragment of k-step kk (keys 16kk..16kk+15):
   // the C layout of two adjacent n8 tiles is exactly the m16k16 A layout, so
   // this is a conversion, not a shuffle.
@@ -77,6 +80,12 @@ struct PvOps<float, M> : SmemFrag<float, M> {
     tf32_operand(b[1], 0, lds_u32(v.template addr_at<KK * 8, 8 * DF0 + 8, kBits>(c)));
     tf32_operand(b[1], 1, lds_u32(v.template addr_at<KK * 8 + 1, 8 * DF0 + 8, kBits>(c)));
   }
+  // The value the product takes for a probability x (softmax_finalize): rounded to tf32, or
+  // split into two parts that carry it whole.
+  __device__ __forceinline__ static float as_operand(float x) {
+    return M == F32Mma::kTf32 ? __uint_as_float(to_tf32(__float_as_uint(x))) : x;
+  }
+
   // k-step kk covers the 8 keys of n-fragment kk. The lane holds keys 2t and
   // 2t + 1; the m16n8k8 A layout wants k = t and t + 4. Since PV sums over
   // keys, relabel instead of shuffling: k = t is key 2t, k = t + 4 is key 2t+1.

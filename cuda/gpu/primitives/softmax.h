@@ -11,9 +11,11 @@
 namespace jaxflash::gpu {
 
 // Per-lane state of the 2 MF rows it holds (rows g and g + 8 of each m16
-// fragment; see mma.h).
-template <int MF>
+// fragment; see mma.h). kTrackMax: keep each row's largest score, for
+// softmax_finalize's correction of the normaliser (two registers per m16 row).
+template <int MF, bool kTrackMax_ = true>
 struct SoftmaxState {
+  static constexpr bool kTrackMax = kTrackMax_;
   // The row's exp2 offset: fmaf(running max of the scores, exp_scale, p_shift), in base-2
   // units; -inf until a visible key. Kept as the offset itself, not the max, so that the
   // rescaling between tiles and the lse refer to exactly the floats the P were taken at (at
@@ -21,12 +23,16 @@ struct SoftmaxState {
   // so the offset of the max is the max of the offsets.
   float offset[MF][2];
   float sum[MF][2];  // this lane's columns only: the quad is summed once, at the end
+  // The row's largest score so far (as s reaches the softmax; -inf until a visible key): the
+  // key of the largest P, whose rounding for the P·V product softmax_finalize takes into the
+  // normaliser.
+  float max[MF][2];
 
   __device__ __forceinline__ void init() {
 #pragma unroll
     for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) offset[mf][h] = -INFINITY, sum[mf][h] = 0.f;
+      for (int h = 0; h < 2; ++h) offset[mf][h] = -INFINITY, sum[mf][h] = 0.f, max[mf][h] = -INFINITY;
   }
 };
 
@@ -48,8 +54,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 // it), so the max of s is the max of the scaled scores. P carries the factor
 // 2^-p_shift (FwdRuntime: it keeps the sum of P.V finite); the sums carry it
 // too, and softmax_finalize takes it out of lse.
-template <int MF, int NF, class Rescale>
-__device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], SoftmaxState<MF>& st, float exp_scale,
+template <int MF, int NF, class State, class Rescale>
+__device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], State& st, float exp_scale,
                                                float p_shift, Rescale&& rescale) {
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
@@ -59,6 +65,7 @@ __device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], SoftmaxSta
 #pragma unroll
       for (int nf = 0; nf < NF; ++nf) m = fmaxf(m, fmaxf(s[mf][nf][2 * h], s[mf][nf][2 * h + 1]));
       m = quad_max(m);
+      if constexpr (State::kTrackMax) st.max[mf][h] = fmaxf(st.max[mf][h], m);
       const float offset = fmaxf(st.offset[mf][h], fmaf(m, exp_scale, p_shift));
       // Still no visible key: subtract 0 (exp2(-inf - 0) = 0, not exp2(-inf + inf) = NaN).
       const float p_offset = offset == -INFINITY ? 0.f : offset;
@@ -89,31 +96,46 @@ __device__ __forceinline__ void rescale_row(float (&o)[MF][DF][4], int mf, int h
 }
 
 // The mma.sync forward's step: O rescaled row by row as the factors come.
-template <int MF, int NF, int DF>
-__device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)[MF][DF][4], SoftmaxState<MF>& st,
+template <int MF, int NF, int DF, bool kTrackMax>
+__device__ __forceinline__ void online_softmax(float (&s)[MF][NF][4], float (&o)[MF][DF][4],
+                                               SoftmaxState<MF, kTrackMax>& st,
                                                float exp_scale, float p_shift) {
   softmax_update(s, st, exp_scale, p_shift, [&](int mf, int h, float alpha) { rescale_row(o, mf, h, alpha); });
 }
 
 // After the last tile: O *= out_scale / sum, and per row the lse in base 2 as
 // params.h's two floats: the row's offset plus log2(sum), split without rounding.
+// The sum is of the float32 P, but O's is of P as the P·V product took it
+// (as_operand: rounded to the input's 16 bits, or to tf32): for every key but one
+// the difference is rounding noise, as in jax.nn's own P·V, but the largest P is
+// 2^r with r = fmaf(max, exp_scale, -offset), the offset's own rounding, not 1,
+// and where a row's attention is on one key its rounding is the row's whole error,
+// the same sign in every output and gradient: at logits of 1e4 (offset ulp 2^-9) up
+// to 2^-11 relative in fp16, several times jax.nn's (test_numerics' large logits).
+// With `correct_max` that P's rounding goes into O's normaliser: O is then exact for
+// a one-hot row. (Not under dropout, which may have dropped that key from O.)
 // Rows that saw no visible key (sum == 0) or are not `live` (query padding)
 // get O = 0 and lse = (-inf, 0). A NaN score (NaN in q, k or bias) makes the sum NaN
 // and so O and lse NaN, as in jax.nn: fmaxf drops NaN from the max, so the sum
 // is the only place it surfaces, and "sum > 0" would take it for an empty row.
 // out_scale is 1, or dropout's 1 / (1 - rate). store_lse(mf, h, lse) takes each row's
 // lse as it is formed.
-template <int MF, int DF, class StoreLse>
-__device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const SoftmaxState<MF>& st,
-                                                 float out_scale, const bool (&live)[MF][2],
-                                                 StoreLse&& store_lse) {
+template <int MF, int DF, bool kTrackMax, class AsOperand, class StoreLse>
+__device__ __forceinline__ void softmax_finalize(float (&o)[MF][DF][4], const SoftmaxState<MF, kTrackMax>& st,
+                                                 float out_scale, const bool (&live)[MF][2], float exp_scale,
+                                                 bool correct_max, AsOperand&& as_operand, StoreLse&& store_lse) {
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(st.sum[mf][h]);
       const bool any = live[mf][h] && !(sum == 0.f);
-      const float inv = any ? out_scale / sum : 0.f;
+      float norm = sum;
+      if (kTrackMax && correct_max && any) {
+        const float top = fast_exp2(fmaf(st.max[mf][h], exp_scale, -st.offset[mf][h]));  // as softmax_update
+        norm += as_operand(top) - top;
+      }
+      const float inv = any ? out_scale / norm : 0.f;
       store_lse(mf, h, any ? split_lse(st.offset[mf][h], log2f(sum))
                            : LseSplit{-INFINITY, 0.f});
 #pragma unroll
