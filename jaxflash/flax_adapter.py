@@ -108,6 +108,42 @@ def mask_structure(mask) -> MaskStructure:
   return MaskStructure(kind, q_len, kv_len, q_ids, kv_ids)
 
 
+class PaddingStructure(NamedTuple):
+  """What :func:`padding_structure` finds: ``CAUSAL_PADDING``, ``PADDING`` or ``DENSE`` (neither:
+  :func:`mask_structure` decides) and the lengths, as ``mask_structure`` finds them."""
+  kind: jax.Array
+  query_seq_lengths: jax.Array  # int32 (B,)
+  key_value_seq_lengths: jax.Array  # int32 (B,)
+
+
+def padding_structure(mask) -> PaddingStructure:
+  """Whether a boolean ``(B, T, S)`` mask is (causal) prefix padding, from its rows alone: one
+  pass of three row reductions (first and last visible key, their count) instead of
+  :func:`mask_structure`'s two dependent reductions and its check over every element. A row's
+  visible keys are exactly ``[first, last]`` when their count is ``last - first + 1``, so
+  ``PADDING`` holds when the rows that see a key are ``t < q_len`` and each sees ``[0, kv_len)``,
+  and ``CAUSAL_PADDING`` when each sees ``[0, min(t, kv_len - 1)]``; ``q_len`` counts the rows
+  that see a key and ``kv_len`` is one past the last key any row sees, which for these two
+  shapes is ``mask_structure``'s count of the keys that a row sees. Exact as mask_structure's
+  check is: the kind is one of these two exactly where mask_structure finds it (the same
+  preference), with the same lengths."""
+  _, t_len, s_len = mask.shape
+  s = lax.broadcasted_iota(jnp.int32, (1, t_len, s_len), 2)
+  first = jnp.min(jnp.where(mask, s, s_len), axis=2, initial=s_len)  # (B, T); S: no key
+  last = jnp.max(jnp.where(mask, s, -1), axis=2, initial=-1)  # (B, T); -1: no key
+  count = jnp.sum(mask, axis=2, dtype=jnp.int32)
+  sees = count > 0
+  q_len = jnp.sum(sees, axis=1, dtype=jnp.int32)
+  kv_len = jnp.max(last, axis=1, initial=-1) + 1  # (B,); 0 where no row sees a key
+  t = lax.broadcasted_iota(jnp.int32, (1, t_len), 1)
+  from_zero = sees == (t < q_len[:, None])  # the rows that see a key are a prefix
+  from_zero &= ~sees | ((first == 0) & (count == last + 1))  # and each sees [0, last]
+  padding = jnp.all(from_zero & (~sees | (last == kv_len[:, None] - 1)))
+  causal = jnp.all(from_zero & (~sees | (last == jnp.minimum(t, kv_len[:, None] - 1))))
+  kind = jnp.where(causal, CAUSAL_PADDING, jnp.where(padding, PADDING, DENSE)).astype(jnp.int32)
+  return PaddingStructure(kind, q_len, kv_len)
+
+
 def _precision_name(precision):
   """Flax's PrecisionLike (None, a name, a lax.Precision or a pair of them) as one value for
   jaxflash.attention: of a pair, the higher precision, since both operands go through the same
@@ -237,8 +273,20 @@ def _attend(q, k, v, bias, mask, is_causal, options):
                                                    zip(mask.shape[-2:], (t_len, s_len))):
     # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
     return call(mask=mask, is_causal=is_causal)
-  found = mask_structure(jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len)))
-  return run_as(found, call, mask, is_causal, options)
+  shared = jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len))
+  # Prefix padding and causal masks, the usual ones, from the rows alone; any other mask goes to
+  # the full classification, in a branch of its own so that it runs only then.
+  rows = padding_structure(shared)
+  kind = rows.kind
+  if is_causal:
+    kind = jnp.where(kind == PADDING, CAUSAL_PADDING, kind)
+  lengths = dict(query_seq_lengths=rows.query_seq_lengths,
+                 key_value_seq_lengths=rows.key_value_seq_lengths)
+  return lax.switch(kind, [
+      lambda: run_as(mask_structure(shared), call, mask, is_causal, options),  # DENSE: not padding
+      lambda: call(**lengths),  # PADDING
+      lambda: call(is_causal=True, **lengths),  # CAUSAL_PADDING
+  ])
 
 
 def run_as(found: MaskStructure, call, mask, is_causal, options):
