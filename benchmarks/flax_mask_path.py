@@ -6,9 +6,11 @@ process, forward and forward + backward (the gradient of the output's sum in q, 
 
 - mask: `flax_attention` given the (B, 1, T, T) causal mask of `nnx.make_causal_mask`;
 - is_causal: `flax_attention` given `is_causal=True` and no mask (no classification, no switch);
-- switch only: the switch over the kernel calls with the mask's structure found beforehand and
-  passed in (`flax_adapter.run_as`), so that what is left of the mask path is the switch;
-- classification only: `mask_structure` of the mask (forward only: it has no gradient);
+- switch only: the full classification's switch over the kernel calls (`flax_adapter.run_as`)
+  with the mask's structure found beforehand and passed in, so that what is left of the mask
+  path is a switch;
+- classification only: what classifies a causal mask, `padding_structure` (forward only: it
+  has no gradient);
 - cudnn: `jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`, the peer,
   on a GPU.
 
@@ -44,7 +46,7 @@ def _paths() -> dict:
       "mask": lambda q, k, v, mask, found: jaxflash.flax_attention(q, k, v, mask=mask),
       "is_causal": lambda q, k, v, mask, found: jaxflash.flax_attention(q, k, v, is_causal=True),
       "switch only": switch_only,
-      "classification only": lambda q, k, v, mask, found: flax_adapter.mask_structure(
+      "classification only": lambda q, k, v, mask, found: flax_adapter.padding_structure(
           mask[:, 0]).kind,
   }
   if jax.default_backend() == "gpu":

@@ -24,11 +24,14 @@ where the mask has one, with or without ``s <= t`` (top-left causal):
   (cross-attention, keys packed apart from the queries) and for documents in any order; with
   documents contiguous along the row, the kernels also skip the tiles between them.
 
-Nothing is trusted: the structures are checked against the whole mask, all of them in one
-elementwise pass after the two reductions that give the lengths and ids, and any other mask
-reaches the kernels as it is. The choice is a ``lax.switch`` on the result: every kernel call
-is compiled, one runs (under ``vmap`` of the whole call the switch becomes a select, and all
-run).
+Nothing is trusted. Prefix padding and causal masks, the usual ones, are recognised exactly from
+the rows alone (:func:`padding_structure`: each row's first and last visible key and their
+count, one pass). Any other mask goes to the full classification (:func:`mask_structure`: the
+two reductions that give the lengths and ids, then every structure checked against the whole
+mask in one elementwise pass), and what fits none reaches the kernels as it is. The choices are
+``lax.switch``es on the results, the full classification inside the first's branch for masks
+that are not padding, so that it runs only for those: every kernel call is compiled, one runs
+(under ``vmap`` of the whole call the switches become selects, and all run).
 
 Packed sequences by ids. ``flax_attention`` also takes ``query_segment_ids`` /
 ``key_value_segment_ids`` itself (bind them per call, e.g. ``functools.partial(
