@@ -28,10 +28,17 @@ Nothing is trusted. Prefix padding and causal masks, the usual ones, are recogni
 the rows alone (:func:`padding_structure`: each row's first and last visible key and their
 count, one pass). Any other mask goes to the full classification (:func:`mask_structure`: the
 two reductions that give the lengths and ids, then every structure checked against the whole
-mask in one elementwise pass), and what fits none reaches the kernels as it is. The choices are
-``lax.switch``es on the results, the full classification inside the first's branch for masks
-that are not padding, so that it runs only for those: every kernel call is compiled, one runs
-(under ``vmap`` of the whole call the switches become selects, and all run).
+mask in one elementwise pass), and what fits none reaches the kernels as it is. The full
+classification runs in a ``lax.cond``, only for masks that are not padding (:func:`classify`);
+its outputs are the structure's small arrays (kind, lengths, ids). The kernel call is then
+picked by one switch, :func:`jaxflash.attention.attention_switch`: one ``custom_vjp`` whose
+forward switches over the candidate calls' forward kernels and whose backward over their
+backward, with one set of residuals. Not a switch over ``attention()`` calls: under
+differentiation a conditional outputs the union of its branches' residuals, and those of an
+``attention()`` call include its inputs, so the switch wrote copies of q, k, v, the mask and
+the ids besides the float32 output (twice, with the classification's switch around it). Every
+kernel call is compiled, one runs (under ``vmap`` of the whole call the cond and the switches
+become selects, and all run); forward and gradients are bit for bit the picked call's.
 
 Packed sequences by ids. ``flax_attention`` also takes ``query_segment_ids`` /
 ``key_value_segment_ids`` itself (bind them per call, e.g. ``functools.partial(
@@ -50,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash.attention import attention
+from jaxflash.attention import attention, attention_switch
 from jaxflash.packing import KEY_VALUE_PADDING_ID, QUERY_PADDING_ID
 
 # What mask_structure returns: the call each kind of mask runs as.
@@ -268,51 +275,69 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
 def _attend(q, k, v, bias, mask, is_causal, options):
   """attention() with `options` (precision, soft-cap, segment ids, ALiBi, dropout), the mask run
   as causal, lengths and segment ids where it has that structure."""
-  call = lambda **kwargs: attention(q, k, v, bias, **options, **kwargs)
   if mask is None:
-    return call(is_causal=is_causal)
+    return attention(q, k, v, bias, **options, is_causal=is_causal)
   b, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]
   if mask.ndim < 3 or mask.shape[-3] != 1 or any(n not in (1, m) for n, m in
                                                    zip(mask.shape[-2:], (t_len, s_len))):
     # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
-    return call(mask=mask, is_causal=is_causal)
+    return attention(q, k, v, bias, **options, mask=mask, is_causal=is_causal)
   shared = jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len))
-  # Prefix padding and causal masks, the usual ones, from the rows alone; any other mask goes to
-  # the full classification, in a branch of its own so that it runs only then.
-  rows = padding_structure(shared)
-  kind = rows.kind
-  if is_causal:
-    kind = jnp.where(kind == PADDING, CAUSAL_PADDING, kind)
-  lengths = dict(query_seq_lengths=rows.query_seq_lengths,
-                 key_value_seq_lengths=rows.key_value_seq_lengths)
-  return lax.switch(kind, [
-      lambda: run_as(mask_structure(shared), call, mask, is_causal, options),  # DENSE: not padding
-      lambda: call(**lengths),  # PADDING
-      lambda: call(is_causal=True, **lengths),  # CAUSAL_PADDING
-  ])
+  return run_as(classify(shared), q, k, v, bias, mask, is_causal, options)
 
 
-def run_as(found: MaskStructure, call, mask, is_causal, options):
-  """The kernel call that `found` says reproduces `mask`, picked on the device by a
-  ``lax.switch`` over every candidate call (compiled all; one runs). Apart from _attend so that
-  benchmarks/flax_mask_path.py can time the switch without the classification."""
+def classify(mask) -> MaskStructure:
+  """mask_structure's result for a boolean ``(B, T, S)`` mask, computed in full only where it is
+  needed: prefix padding and causal masks, the usual ones, are recognised from the rows alone
+  (padding_structure, one pass); any other mask goes to mask_structure, in a ``lax.cond`` whose
+  outputs are the structure's small arrays (the kind, lengths and ids), so that attention runs
+  after it in one switch (run_as). Its ids are zeros for the padding kinds (which read none).
+
+  Conditionals: XLA:GPU reads each one's index back to the host before its branch runs, so a
+  mask's forward reads two (this cond, the kernels' switch) and its backward one. Folding the
+  classification into the kernels' forward switch (a branch per padding_structure kind, the
+  full classification and a nested switch in the other) would save this read for padding and
+  causal masks, at the price of the classification inside the custom_vjp; not done, and neither
+  is measured on a GPU."""
+  rows = padding_structure(mask)
+  b, t_len, s_len = mask.shape
+
+  def from_rows():
+    return MaskStructure(rows.kind, rows.query_seq_lengths, rows.key_value_seq_lengths,
+                         jnp.zeros((b, t_len), jnp.int32), jnp.zeros((b, s_len), jnp.int32))
+
+  return lax.cond(rows.kind == DENSE, lambda: mask_structure(mask), from_rows)
+
+
+def candidates(found: MaskStructure, mask, is_causal, options):
+  """The kernel call that `found` says reproduces `mask`: ``(kind, calls)``, the index of the
+  call in `calls`, each call the attention() arguments that mask the logits (DENSE: the mask as
+  it is, then by kind PADDING, CAUSAL_PADDING, SEGMENTS, CAUSAL_SEGMENTS)."""
   kind = found.kind
   if is_causal:  # the mask and causality: padding becomes causal padding, segments causal ones
     kind = jnp.where(kind == PADDING, CAUSAL_PADDING,
                      jnp.where(kind == SEGMENTS, CAUSAL_SEGMENTS, kind))
   lengths = dict(query_seq_lengths=found.query_seq_lengths,
                  key_value_seq_lengths=found.key_value_seq_lengths)
-  branches = [
-      lambda: call(mask=mask, is_causal=is_causal),  # DENSE
-      lambda: call(**lengths),  # PADDING
-      lambda: call(is_causal=True, **lengths),  # CAUSAL_PADDING
-  ]
+  calls = [dict(mask=mask, is_causal=is_causal),  # DENSE
+           dict(**lengths),  # PADDING
+           dict(is_causal=True, **lengths)]  # CAUSAL_PADDING
   if "query_segment_ids" in options:
     # The kernels take one pair of ids, the caller's: a segment mask is read as it is.
     kind = jnp.where(kind >= SEGMENTS, DENSE, kind)
   else:
     ids = dict(query_segment_ids=found.query_segment_ids,
                key_value_segment_ids=found.key_value_segment_ids)
-    branches += [lambda: call(**ids),  # SEGMENTS
-                 lambda: call(is_causal=True, **ids)]  # CAUSAL_SEGMENTS
-  return lax.switch(kind, branches)
+    calls += [dict(**ids),  # SEGMENTS
+              dict(is_causal=True, **ids)]  # CAUSAL_SEGMENTS
+  return kind, calls
+
+
+def run_as(found: MaskStructure, q, k, v, bias, mask, is_causal, options):
+  """The kernel call that `found` says reproduces `mask`, picked on the device among every
+  candidate call (compiled all; one runs) by attention_switch: one differentiable unit whose
+  forward and backward are one switch each, with one set of residuals (see its docstring for
+  why not a switch over attention() calls). Apart from _attend so that
+  benchmarks/flax_mask_path.py can time the switch without the classification."""
+  kind, calls = candidates(found, mask, is_causal, options)
+  return attention_switch(kind, q, k, v, bias, candidates=calls, **options)
