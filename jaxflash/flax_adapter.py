@@ -107,14 +107,14 @@ def mask_structure(mask) -> MaskStructure:
   same_segment = q_ids[:, :, None] == kv_ids[:, None, :]
   candidates = {PADDING: box, CAUSAL_PADDING: box & (s <= t), SEGMENTS: same_segment,
                 CAUSAL_SEGMENTS: same_segment & (s <= t)}
-  # All four checks in one pass over the mask: bit `kind` of `broken` is set where the mask
-  # differs from that kind's candidate anywhere.
-  mismatches = sum((mask != candidate).astype(jnp.int32) << kind
-                   for kind, candidate in candidates.items())
-  broken = lax.reduce(mismatches, np.int32(0), lax.bitwise_or, (0, 1, 2))
+  # One check per kind, whether the mask differs from its candidate anywhere: sibling reductions
+  # of the same mask, which XLA fuses into one pass. (As one bitwise-or reduction of the four
+  # mismatch bits, a sharded mask made it an all-reduce of bitwise-or, which XLA's CPU runtime
+  # does not implement: UNIMPLEMENTED, under data-parallel jit.)
+  broken = {kind: jnp.any(mask != candidate) for kind, candidate in candidates.items()}
   kind = jnp.int32(DENSE)
   for preferred in reversed(_PREFERENCE):
-    kind = jnp.where((broken & (1 << preferred)) == 0, preferred, kind)
+    kind = jnp.where(broken[preferred], kind, preferred)
   return MaskStructure(kind, q_len, kv_len, q_ids, kv_ids)
 
 

@@ -738,9 +738,8 @@ def test_mask_switch_splits_over_devices_as_the_attention_calls(spec):
   """q, k and v sharded over 8 CPU devices by batch and/or sequence (the kernels' partitioning:
   shards, or ring attention for sequence-sharded calls it takes, ring.unsupported: not the
   dense mask's): attention_switch's output and gradients equal bit for bit those of the switch
-  over attention() calls, each branch split as its attention() call. The structure is found
-  beforehand (run_as, as the benchmark's switch only): mask_structure's bitwise-or reduction,
-  partitioned, is an all-reduce that the CPU runtime does not implement (on either path)."""
+  over attention() calls, each branch split as its attention() call; and flax_attention, which
+  classifies the sharded mask itself, gives the same."""
   devices = jax.devices("cpu")
   if len(devices) < 8:
     pytest.skip(f"needs 8 CPU devices, JAX sees {len(devices)}")
@@ -760,13 +759,15 @@ def test_mask_switch_splits_over_devices_as_the_attention_calls(spec):
       found = jax.jit(flax_adapter.mask_structure)(mask[:, 0])
       for path in (lambda q, k, v: flax_adapter.run_as(found, q, k, v, None, mask, False, {}),
                    lambda q, k, v: _switch_over_attention_calls(q, k, v, mask, False, {},
-                                                                found=found)):
+                                                                found=found),
+                   lambda q, k, v: jaxflash.flax_attention(q, k, v, mask=mask)):
         out, vjp = jax.jit(lambda *qkv: jax.vjp(path, *qkv))(*qkv)
         results.append((out, vjp(cotangent)))
     return results
 
   results = reference.on_cpu(run)
-  for ours, expected in zip(results[::2], results[1::2]):
+  pairs = list(zip(results[::3], results[1::3])) + list(zip(results[2::3], results[::3]))
+  for ours, expected in pairs:
     for (path, o), e in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(expected)):
       reference.assert_bitwise_equal(o, e, jax.tree_util.keystr(path))
 
