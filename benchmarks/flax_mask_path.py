@@ -1,8 +1,7 @@
 """What the Flax adapter's mask path costs one attention layer.
 
 `jaxflash.flax_attention` given a causal mask classifies it on the device
-(`flax_adapter.classify`: `padding_structure`, and `mask_structure` in a `lax.cond` for masks
-that are not padding) and then picks the kernel call with one switch
+(`flax_adapter.mask_structure`) and then picks the kernel call with one switch
 (`attention.attention_switch`: one custom_vjp, a switch in its forward and one in its
 backward). Timed in one process, forward and forward + backward (the gradient of the output's
 sum in q, k and v):
@@ -11,8 +10,8 @@ sum in q, k and v):
 - is_causal: `flax_attention` given `is_causal=True` and no mask (no classification, no switch);
 - switch only: the switch over the kernel calls (`flax_adapter.run_as`) with the mask's
   structure found beforehand and passed in, so that what is left of the mask path is the switch;
-- classification only: what classifies the mask, `flax_adapter.classify` (for a causal mask
-  `padding_structure` and the cond's predicate; forward only: it has no gradient);
+- classification only: `flax_adapter.mask_structure` of the mask (forward only: it has no
+  gradient);
 - switch of calls (before): switch only as it was before attention_switch, a `lax.switch` over
   `jaxflash.attention` calls, each its own custom_vjp (under differentiation the conditional
   then outputs every branch's residuals: copies of q, k, v, the mask and the ids besides out32);
@@ -56,7 +55,7 @@ def _paths() -> dict:
       "mask": lambda q, k, v, mask, found: jaxflash.flax_attention(q, k, v, mask=mask),
       "is_causal": lambda q, k, v, mask, found: jaxflash.flax_attention(q, k, v, is_causal=True),
       "switch only": switch_only,
-      "classification only": lambda q, k, v, mask, found: flax_adapter.classify(
+      "classification only": lambda q, k, v, mask, found: flax_adapter.mask_structure(
           mask[:, 0]).kind,
       "switch of calls (before)": switch_of_calls,
   }

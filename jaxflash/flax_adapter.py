@@ -24,21 +24,17 @@ where the mask has one, with or without ``s <= t`` (top-left causal):
   (cross-attention, keys packed apart from the queries) and for documents in any order; with
   documents contiguous along the row, the kernels also skip the tiles between them.
 
-Nothing is trusted. Prefix padding and causal masks, the usual ones, are recognised exactly from
-the rows alone (:func:`padding_structure`: each row's first and last visible key and their
-count, one pass). Any other mask goes to the full classification (:func:`mask_structure`: the
-two reductions that give the lengths and ids, then every structure checked against the whole
-mask in one elementwise pass), and what fits none reaches the kernels as it is. The full
-classification runs in a ``lax.cond``, only for masks that are not padding (:func:`classify`);
-its outputs are the structure's small arrays (kind, lengths, ids). The kernel call is then
+Nothing is trusted: the structures are checked against the whole mask (:func:`mask_structure`:
+the two reductions that give the lengths and ids, then every structure checked in one
+elementwise pass), and what fits none reaches the kernels as it is. The kernel call is then
 picked by one switch, :func:`jaxflash.attention.attention_switch`: one ``custom_vjp`` whose
 forward switches over the candidate calls' forward kernels and whose backward over their
 backward, with one set of residuals. Not a switch over ``attention()`` calls: under
 differentiation a conditional outputs the union of its branches' residuals, and those of an
 ``attention()`` call include its inputs, so the switch wrote copies of q, k, v, the mask and
-the ids besides the float32 output (twice, with the classification's switch around it). Every
-kernel call is compiled, one runs (under ``vmap`` of the whole call the cond and the switches
-become selects, and all run); forward and gradients are bit for bit the picked call's.
+the ids besides the float32 output. Every
+kernel call is compiled, one runs (under ``vmap`` of the whole call the switches become
+selects, and all run); forward and gradients are bit for bit the picked call's.
 
 Packed sequences by ids. ``flax_attention`` also takes ``query_segment_ids`` /
 ``key_value_segment_ids`` itself (bind them per call, e.g. ``functools.partial(
@@ -116,42 +112,6 @@ def mask_structure(mask) -> MaskStructure:
   for preferred in reversed(_PREFERENCE):
     kind = jnp.where(broken[preferred], kind, preferred)
   return MaskStructure(kind, q_len, kv_len, q_ids, kv_ids)
-
-
-class PaddingStructure(NamedTuple):
-  """What :func:`padding_structure` finds: ``CAUSAL_PADDING``, ``PADDING`` or ``DENSE`` (neither:
-  :func:`mask_structure` decides) and the lengths, as ``mask_structure`` finds them."""
-  kind: jax.Array
-  query_seq_lengths: jax.Array  # int32 (B,)
-  key_value_seq_lengths: jax.Array  # int32 (B,)
-
-
-def padding_structure(mask) -> PaddingStructure:
-  """Whether a boolean ``(B, T, S)`` mask is (causal) prefix padding, from its rows alone: one
-  pass of three row reductions (first and last visible key, their count) instead of
-  :func:`mask_structure`'s two dependent reductions and its check over every element. A row's
-  visible keys are exactly ``[first, last]`` when their count is ``last - first + 1``, so
-  ``PADDING`` holds when the rows that see a key are ``t < q_len`` and each sees ``[0, kv_len)``,
-  and ``CAUSAL_PADDING`` when each sees ``[0, min(t, kv_len - 1)]``; ``q_len`` counts the rows
-  that see a key and ``kv_len`` is one past the last key any row sees, which for these two
-  shapes is ``mask_structure``'s count of the keys that a row sees. Exact as mask_structure's
-  check is: the kind is one of these two exactly where mask_structure finds it (the same
-  preference), with the same lengths."""
-  _, t_len, s_len = mask.shape
-  s = lax.broadcasted_iota(jnp.int32, (1, t_len, s_len), 2)
-  first = jnp.min(jnp.where(mask, s, s_len), axis=2, initial=s_len)  # (B, T); S: no key
-  last = jnp.max(jnp.where(mask, s, -1), axis=2, initial=-1)  # (B, T); -1: no key
-  count = jnp.sum(mask, axis=2, dtype=jnp.int32)
-  sees = count > 0
-  q_len = jnp.sum(sees, axis=1, dtype=jnp.int32)
-  kv_len = jnp.max(last, axis=1, initial=-1) + 1  # (B,); 0 where no row sees a key
-  t = lax.broadcasted_iota(jnp.int32, (1, t_len), 1)
-  from_zero = sees == (t < q_len[:, None])  # the rows that see a key are a prefix
-  from_zero &= ~sees | ((first == 0) & (count == last + 1))  # and each sees [0, last]
-  padding = jnp.all(from_zero & (~sees | (last == kv_len[:, None] - 1)))
-  causal = jnp.all(from_zero & (~sees | (last == jnp.minimum(t, kv_len[:, None] - 1))))
-  kind = jnp.where(causal, CAUSAL_PADDING, jnp.where(padding, PADDING, DENSE)).astype(jnp.int32)
-  return PaddingStructure(kind, q_len, kv_len)
 
 
 def _precision_name(precision):
@@ -283,30 +243,7 @@ def _attend(q, k, v, bias, mask, is_causal, options):
     # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
     return attention(q, k, v, bias, **options, mask=mask, is_causal=is_causal)
   shared = jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len))
-  return run_as(classify(shared), q, k, v, bias, mask, is_causal, options)
-
-
-def classify(mask) -> MaskStructure:
-  """mask_structure's result for a boolean ``(B, T, S)`` mask, computed in full only where it is
-  needed: prefix padding and causal masks, the usual ones, are recognised from the rows alone
-  (padding_structure, one pass); any other mask goes to mask_structure, in a ``lax.cond`` whose
-  outputs are the structure's small arrays (the kind, lengths and ids), so that attention runs
-  after it in one switch (run_as). Its ids are zeros for the padding kinds (which read none).
-
-  Conditionals: XLA:GPU reads each one's index back to the host before its branch runs, so a
-  mask's forward reads two (this cond, the kernels' switch) and its backward one. Folding the
-  classification into the kernels' forward switch (a branch per padding_structure kind, the
-  full classification and a nested switch in the other) would save this read for padding and
-  causal masks, at the price of the classification inside the custom_vjp; not done, and neither
-  is measured on a GPU."""
-  rows = padding_structure(mask)
-  b, t_len, s_len = mask.shape
-
-  def from_rows():
-    return MaskStructure(rows.kind, rows.query_seq_lengths, rows.key_value_seq_lengths,
-                         jnp.zeros((b, t_len), jnp.int32), jnp.zeros((b, s_len), jnp.int32))
-
-  return lax.cond(rows.kind == DENSE, lambda: mask_structure(mask), from_rows)
+  return run_as(mask_structure(shared), q, k, v, bias, mask, is_causal, options)
 
 
 def candidates(found: MaskStructure, mask, is_causal, options):

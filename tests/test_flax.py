@@ -219,35 +219,6 @@ def test_mask_structure_recognises_causal_and_prefix_padding_masks():
   assert _structure(padding.at[1, 4, 0].set(True))[0] == fa.DENSE
 
 
-def test_padding_structure_agrees_with_mask_structure():
-  """The rows-only check of prefix padding and causal masks finds one of those two kinds exactly
-  where the full classification does, with its lengths, and DENSE (the full classification
-  decides) everywhere else: random boxes, their causal and anti-causal versions, each with one
-  element flipped, and random masks, at sizes down to empty axes."""
-  rng = np.random.default_rng(0)
-  full, rows = jax.jit(flax_adapter.mask_structure), jax.jit(flax_adapter.padding_structure)
-  padding_kinds = (flax_adapter.PADDING, flax_adapter.CAUSAL_PADDING)
-  for t_len, s_len in [(1, 1), (5, 7), (7, 5), (6, 6), (1, 9), (9, 1), (0, 4), (4, 0)]:
-    t, s = np.arange(t_len)[:, None], np.arange(s_len)[None, :]
-    for _ in range(10):
-      q_len, kv_len = rng.integers(0, t_len + 1, 2), rng.integers(0, s_len + 1, 2)
-      box = (t < q_len[:, None, None]) & (s < kv_len[:, None, None])
-      masks = [box, box & (s <= t), box & (s >= t), rng.random(box.shape) < 0.5]
-      if box.size:
-        at = tuple(rng.integers(0, n) for n in box.shape)
-        masks += [m.copy() for m in masks[:3]]
-        for m in masks[-3:]:
-          m[at] = ~m[at]
-      for mask in masks:
-        expected, found = full(jnp.asarray(mask)), rows(jnp.asarray(mask))
-        if int(expected.kind) in padding_kinds:
-          assert int(found.kind) == int(expected.kind), mask.astype(int)
-          assert found.query_seq_lengths.tolist() == expected.query_seq_lengths.tolist()
-          assert found.key_value_seq_lengths.tolist() == expected.key_value_seq_lengths.tolist()
-        else:
-          assert int(found.kind) == flax_adapter.DENSE, mask.astype(int)
-
-
 def _packed_ids(lengths, total):
   return jaxflash.segment_ids_from_lengths(jnp.array(lengths), total)
 
