@@ -1,14 +1,20 @@
 """What the Flax adapter's mask path costs one attention layer.
 
 `jaxflash.flax_attention` given a causal mask classifies it on the device
-(`flax_adapter.mask_structure`) and then picks the kernel call with a `lax.switch`. Timed in one
-process, forward and forward + backward (the gradient of the output's sum in q, k and v):
+(`flax_adapter.mask_structure`) and then picks the kernel call with one switch
+(`attention.attention_switch`: one custom_vjp, a switch in its forward and one in its
+backward). Timed in one process, forward and forward + backward (the gradient of the output's
+sum in q, k and v):
 
 - mask: `flax_attention` given the (B, 1, T, T) causal mask of `nnx.make_causal_mask`;
 - is_causal: `flax_attention` given `is_causal=True` and no mask (no classification, no switch);
-- switch only: the switch over the kernel calls with the mask's structure found beforehand and
-  passed in (`flax_adapter.run_as`), so that what is left of the mask path is the switch;
-- classification only: `mask_structure` of the mask (forward only: it has no gradient);
+- switch only: the switch over the kernel calls (`flax_adapter.run_as`) with the mask's
+  structure found beforehand and passed in, so that what is left of the mask path is the switch;
+- classification only: `flax_adapter.mask_structure` of the mask (forward only: it has no
+  gradient);
+- switch of calls (before): switch only as it was before attention_switch, a `lax.switch` over
+  `jaxflash.attention` calls, each its own custom_vjp (under differentiation the conditional
+  then outputs every branch's residuals: copies of q, k, v, the mask and the ids besides out32);
 - cudnn: `jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`, the peer,
   on a GPU.
 
@@ -22,6 +28,7 @@ of 64, bf16), whose training step ran at 0.84 of cuDNN's tokens/s given the mask
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -37,8 +44,12 @@ def _paths() -> dict:
   """name -> f(q, k, v, mask, found): the attention output, or for the classification its
   kind."""
   def switch_only(q, k, v, mask, found):
-    call = lambda **kwargs: jaxflash.attention(q, k, v, **kwargs)
-    return flax_adapter.run_as(found, call, mask, False, {})
+    return flax_adapter.run_as(found, q, k, v, None, mask, False, {})
+
+  def switch_of_calls(q, k, v, mask, found):
+    kind, calls = flax_adapter.candidates(found, mask, False, {})
+    return jax.lax.switch(kind, [functools.partial(jaxflash.attention, q, k, v, **call)
+                                 for call in calls])
 
   paths = {
       "mask": lambda q, k, v, mask, found: jaxflash.flax_attention(q, k, v, mask=mask),
@@ -46,6 +57,7 @@ def _paths() -> dict:
       "switch only": switch_only,
       "classification only": lambda q, k, v, mask, found: flax_adapter.mask_structure(
           mask[:, 0]).kind,
+      "switch of calls (before)": switch_of_calls,
   }
   if jax.default_backend() == "gpu":
     paths["cudnn"] = lambda q, k, v, mask, found: jax.nn.dot_product_attention(

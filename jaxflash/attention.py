@@ -196,17 +196,25 @@ def _flash(q, k, v, optional, config):
 def _flash_fwd(q, k, v, optional, config):
   values = [x.value for x in (q, k, v)]
   optional_values = tuple(x.value if x is not None else None for x in optional)
-  # The output stays float32 as the backward's residual (see delta in _flash_bwd).
-  out32, lse2 = _bind_forward(*values, optional_values,
-                              config.replace(flags=config.flags | Flag.OUTPUT_F32))
-  bias, slopes, scale = optional[_BIAS], optional[_SLOPES], optional[_SCALE]
-  # Only for operands being differentiated (custom_vjp's `perturbed`), so that a call that does
-  # not differentiate the slopes never asks the kernels for their gradient.
-  wanted = _Wanted(dbias=bias is not None and bias.perturbed,
-                   dslopes=slopes is not None and slopes.perturbed,
-                   dscale=scale is not None and scale.perturbed)
+  out32, lse2 = _forward_f32(values, optional_values, config)
   return ((out32.astype(values[0].dtype), _natural(lse2)),
-          ((*values, optional_values), out32, lse2, wanted))
+          ((*values, optional_values), out32, lse2, _wanted(optional)))
+
+
+def _forward_f32(qkv, optional, config: KernelConfig):
+  """The forward under differentiation: the output stays float32 as the backward's residual (see
+  delta in _flash_bwd)."""
+  return _bind_forward(*qkv, optional, config.replace(flags=config.flags | Flag.OUTPUT_F32))
+
+
+def _wanted(optional) -> _Wanted:
+  """Which optional gradients to compute: only those of operands being differentiated
+  (custom_vjp's `perturbed`; `optional` holds its CustomVJPPrimal wrappers), so that a call that
+  does not differentiate the slopes never asks the kernels for their gradient."""
+  bias, slopes, scale = optional[_BIAS], optional[_SLOPES], optional[_SCALE]
+  return _Wanted(dbias=bias is not None and bias.perturbed,
+                 dslopes=slopes is not None and slopes.perturbed,
+                 dscale=scale is not None and scale.perturbed)
 
 
 def _flash_bwd(config, residuals, cotangents):
@@ -479,6 +487,145 @@ def _row_shift_gradient(d_lse, lse, bias):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+
+
+# ---------------------------------------------------------------- one call of several
+
+def attention_switch(index, query, key, value, bias=None, *, candidates, **arguments):
+  """``attention(query, key, value, bias, **arguments, **candidates[index])`` for a traced
+  ``index`` (clamped as lax.switch clamps it): one call picked on the device among candidates
+  that differ only in how the logits are masked (each candidate a dict of ``mask``,
+  ``is_causal``, ``query_seq_lengths`` / ``key_value_seq_lengths``, ``query_segment_ids`` /
+  ``key_value_segment_ids``), as one differentiable unit. Internal: jaxflash.flax_attention's
+  entry, whose candidates are the kernel calls a mask shared by the heads can run as.
+
+  Not a lax.switch over attention() calls: under differentiation JAX's partial evaluation of a
+  conditional makes the union of its branches' residuals (merged by type, zero-filled where a
+  branch has none) outputs of the conditional, and an attention() call's residuals include its
+  inputs, so the conditional would write copies of q, k and v, the dense candidate's T×S mask
+  and the ids besides the float32 output (and a nested switch all of it again). Here the switch
+  is inside one custom_vjp (_flash_switch): its forward is a switch over the candidates' forward
+  kernels alone, each giving the same (out32, lse2); its residuals are one set (q, k, v, the
+  candidates' operands, the index, out32, lse2); its backward a switch over the candidates'
+  _flash_bwd, each with its own config and operands rebuilt from that set. Results are bit for
+  bit the picked attention() call's, forward and gradients.
+
+  Every candidate is validated at trace time (attention()'s checks and errors); one runs (under
+  vmap of a batched index the switches become selects and all run). Multi-device calls are split
+  where each kernel primitive lowers (partitioning.py: per-device shards, or ring attention for
+  sequence-sharded operands), so each branch runs as its attention() call would. attention()'s
+  one path that is not _flash, a zero-size call (no kernel: zeros), keeps the switch over
+  attention() calls."""
+  unknown = {name for candidate in candidates for name in candidate} - _MASKING_ARGUMENTS
+  if unknown:
+    raise ValueError(f"attention_switch: candidates may set {sorted(_MASKING_ARGUMENTS)} only, "
+                     f"got {sorted(unknown)}")
+  calls = [validate(query, key, value, bias=bias, **arguments, **candidate)
+           for candidate in candidates]
+  if calls[0].is_empty:  # the candidates share every shape
+    return jax.lax.switch(index, [functools.partial(attention, query, key, value, bias,
+                                                    **arguments, **candidate)
+                                  for candidate in candidates])
+  operands, branches = _shared_operands(calls, candidates)
+  call = calls[0]
+  out, _lse = _flash_switch(jnp.asarray(index, jnp.int32), call.q, call.k, call.v, operands,
+                            branches)
+  return out
+
+
+# What attention_switch's candidates may set.
+_MASKING_ARGUMENTS = frozenset({"mask", "is_causal", "query_seq_lengths", "key_value_seq_lengths",
+                                "query_segment_ids", "key_value_segment_ids"})
+# The attention() argument each optional operand (contract.OPTIONAL_INPUTS) comes from.
+_ARGUMENT_OF_SLOT = {"bias": "bias", "mask": "mask", "q_lens": "query_seq_lengths",
+                     "kv_lens": "key_value_seq_lengths", "seed": "dropout_rng",
+                     "q_segment_ids": "query_segment_ids",
+                     "kv_segment_ids": "key_value_segment_ids", "alibi_slopes": "alibi_slopes",
+                     "scale": "scale"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Branch:
+  """One candidate of _flash_switch: its config and, per optional operand slot
+  (contract.OPTIONAL_INPUTS order), the index of its operand among the shared ones (None:
+  absent)."""
+  config: KernelConfig
+  slots: tuple[int | None, ...]
+
+  def optional(self, operands):
+    return tuple(None if i is None else operands[i] for i in self.slots)
+
+
+def _shared_operands(calls, candidates):
+  """The validated candidates' optional operands as one tuple, each once, and each candidate's
+  _Branch. An operand of an argument that the candidates share (the bias, the dropout seed, the
+  ALiBi slopes, a traced scale, the caller's segment ids) is the first candidate's: each
+  validate() derives the same values anew (a cast, the seed words). One of a candidate's own
+  argument is one operand per argument object and slot (the two padding candidates' lengths
+  are one pair)."""
+  operands, index, branches = [], {}, []
+  for call, candidate in zip(calls, candidates):
+    slots = []
+    for slot, x in zip(OPTIONAL_INPUTS, call.optional_operands()):
+      if x is None:
+        slots.append(None)
+        continue
+      argument = _ARGUMENT_OF_SLOT[slot]
+      source = (slot, id(candidate[argument]) if argument in candidate else None)
+      if source not in index:
+        index[source] = len(operands)
+        operands.append(x)
+      slots.append(index[source])
+    branches.append(_Branch(call.config, tuple(slots)))
+  return tuple(operands), tuple(branches)
+
+
+# `operands`: every candidate's optional operands, each once; `branches`: per candidate, its
+# config and which operands fill its optional slots (_Branch). Differentiable: q, k, v and the
+# floating operands (bias, ALiBi slopes, scale), which every candidate shares.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_switch(index, q, k, v, operands, branches):
+  forwards = [functools.partial(_bind_forward, q, k, v, branch.optional(operands), branch.config)
+              for branch in branches]
+  out, lse2 = jax.lax.switch(index, forwards)
+  return out, _natural(lse2)
+
+
+def _flash_switch_fwd(index, q, k, v, operands, branches):
+  values = tuple(x.value for x in (q, k, v))
+  operand_values = tuple(x.value for x in operands)
+  # The one conditional of the forward, whose outputs are (out32, lse2) whichever runs.
+  forwards = [functools.partial(_forward_f32, values, branch.optional(operand_values),
+                                branch.config) for branch in branches]
+  out32, lse2 = jax.lax.switch(index.value, forwards)
+  wanted = tuple(_wanted(branch.optional(operands)) for branch in branches)
+  return ((out32.astype(values[0].dtype), _natural(lse2)),
+          (index.value, values, operand_values, out32, lse2, wanted))
+
+
+def _flash_switch_bwd(branches, residuals, cotangents):
+  index, (q, k, v), operands, out32, lse2, wanted = residuals
+  # The operands that some candidate differentiates; every branch returns a cotangent for each
+  # (zeros where it has none, which cannot happen while they are shared), so that the switch's
+  # branches agree.
+  differentiated = sorted({branch.slots[slot] for branch, w in zip(branches, wanted)
+                           for slot, on in ((_BIAS, w.dbias), (_SLOPES, w.dslopes),
+                                            (_SCALE, w.dscale)) if on})
+
+  def backward(branch, wanted):
+    residuals = ((q, k, v, branch.optional(operands)), out32, lse2, wanted)
+    dq, dk, dv, d_optional = _flash_bwd(branch.config, residuals, cotangents)
+    given = {i: d for i, d in zip(branch.slots, d_optional) if d is not None}
+    return dq, dk, dv, [given[i] if i in given else jnp.zeros_like(operands[i])
+                        for i in differentiated]
+
+  dq, dk, dv, d_differentiated = jax.lax.switch(
+      index, [functools.partial(backward, b, w) for b, w in zip(branches, wanted)])
+  d_operands = dict(zip(differentiated, d_differentiated))
+  return None, dq, dk, dv, tuple(d_operands.get(i) for i in range(len(operands)))
+
+
+_flash_switch.defvjp(_flash_switch_fwd, _flash_switch_bwd, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------- ring attention

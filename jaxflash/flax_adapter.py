@@ -24,11 +24,17 @@ where the mask has one, with or without ``s <= t`` (top-left causal):
   (cross-attention, keys packed apart from the queries) and for documents in any order; with
   documents contiguous along the row, the kernels also skip the tiles between them.
 
-Nothing is trusted: the structures are checked against the whole mask, all of them in one
-elementwise pass after the two reductions that give the lengths and ids, and any other mask
-reaches the kernels as it is. The choice is a ``lax.switch`` on the result: every kernel call
-is compiled, one runs (under ``vmap`` of the whole call the switch becomes a select, and all
-run).
+Nothing is trusted: the structures are checked against the whole mask (:func:`mask_structure`:
+the two reductions that give the lengths and ids, then every structure checked in one
+elementwise pass), and what fits none reaches the kernels as it is. The kernel call is then
+picked by one switch, :func:`jaxflash.attention.attention_switch`: one ``custom_vjp`` whose
+forward switches over the candidate calls' forward kernels and whose backward over their
+backward, with one set of residuals. Not a switch over ``attention()`` calls: under
+differentiation a conditional outputs the union of its branches' residuals, and those of an
+``attention()`` call include its inputs, so the switch wrote copies of q, k, v, the mask and
+the ids besides the float32 output. Every
+kernel call is compiled, one runs (under ``vmap`` of the whole call the switches become
+selects, and all run); forward and gradients are bit for bit the picked call's.
 
 Packed sequences by ids. ``flax_attention`` also takes ``query_segment_ids`` /
 ``key_value_segment_ids`` itself (bind them per call, e.g. ``functools.partial(
@@ -47,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash.attention import attention
+from jaxflash.attention import attention, attention_switch
 from jaxflash.packing import KEY_VALUE_PADDING_ID, QUERY_PADDING_ID
 
 # What mask_structure returns: the call each kind of mask runs as.
@@ -97,14 +103,14 @@ def mask_structure(mask) -> MaskStructure:
   same_segment = q_ids[:, :, None] == kv_ids[:, None, :]
   candidates = {PADDING: box, CAUSAL_PADDING: box & (s <= t), SEGMENTS: same_segment,
                 CAUSAL_SEGMENTS: same_segment & (s <= t)}
-  # All four checks in one pass over the mask: bit `kind` of `broken` is set where the mask
-  # differs from that kind's candidate anywhere.
-  mismatches = sum((mask != candidate).astype(jnp.int32) << kind
-                   for kind, candidate in candidates.items())
-  broken = lax.reduce(mismatches, np.int32(0), lax.bitwise_or, (0, 1, 2))
+  # One check per kind, whether the mask differs from its candidate anywhere: sibling reductions
+  # of the same mask, which XLA fuses into one pass. (As one bitwise-or reduction of the four
+  # mismatch bits, a sharded mask made it an all-reduce of bitwise-or, which XLA's CPU runtime
+  # does not implement: UNIMPLEMENTED, under data-parallel jit.)
+  broken = {kind: jnp.any(mask != candidate) for kind, candidate in candidates.items()}
   kind = jnp.int32(DENSE)
   for preferred in reversed(_PREFERENCE):
-    kind = jnp.where((broken & (1 << preferred)) == 0, preferred, kind)
+    kind = jnp.where(broken[preferred], kind, preferred)
   return MaskStructure(kind, q_len, kv_len, q_ids, kv_ids)
 
 
@@ -229,39 +235,46 @@ def flax_attention(query, key, value, bias=None, mask=None, broadcast_dropout: b
 def _attend(q, k, v, bias, mask, is_causal, options):
   """attention() with `options` (precision, soft-cap, segment ids, ALiBi, dropout), the mask run
   as causal, lengths and segment ids where it has that structure."""
-  call = lambda **kwargs: attention(q, k, v, bias, **options, **kwargs)
   if mask is None:
-    return call(is_causal=is_causal)
+    return attention(q, k, v, bias, **options, is_causal=is_causal)
   b, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]
   if mask.ndim < 3 or mask.shape[-3] != 1 or any(n not in (1, m) for n, m in
                                                    zip(mask.shape[-2:], (t_len, s_len))):
     # Per-head masks go to the kernels as they are (as do malformed ones: attention() says why).
-    return call(mask=mask, is_causal=is_causal)
-  found = mask_structure(jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len)))
-  return run_as(found, call, mask, is_causal, options)
+    return attention(q, k, v, bias, **options, mask=mask, is_causal=is_causal)
+  shared = jnp.broadcast_to(mask[..., 0, :, :], (b, t_len, s_len))
+  return run_as(mask_structure(shared), q, k, v, bias, mask, is_causal, options)
 
 
-def run_as(found: MaskStructure, call, mask, is_causal, options):
-  """The kernel call that `found` says reproduces `mask`, picked on the device by a
-  ``lax.switch`` over every candidate call (compiled all; one runs). Apart from _attend so that
-  benchmarks/flax_mask_path.py can time the switch without the classification."""
+def candidates(found: MaskStructure, mask, is_causal, options):
+  """The kernel call that `found` says reproduces `mask`: ``(kind, calls)``, the index of the
+  call in `calls`, each call the attention() arguments that mask the logits (DENSE: the mask as
+  it is, then by kind PADDING, CAUSAL_PADDING, SEGMENTS, CAUSAL_SEGMENTS)."""
   kind = found.kind
   if is_causal:  # the mask and causality: padding becomes causal padding, segments causal ones
     kind = jnp.where(kind == PADDING, CAUSAL_PADDING,
                      jnp.where(kind == SEGMENTS, CAUSAL_SEGMENTS, kind))
   lengths = dict(query_seq_lengths=found.query_seq_lengths,
                  key_value_seq_lengths=found.key_value_seq_lengths)
-  branches = [
-      lambda: call(mask=mask, is_causal=is_causal),  # DENSE
-      lambda: call(**lengths),  # PADDING
-      lambda: call(is_causal=True, **lengths),  # CAUSAL_PADDING
-  ]
+  calls = [dict(mask=mask, is_causal=is_causal),  # DENSE
+           dict(**lengths),  # PADDING
+           dict(is_causal=True, **lengths)]  # CAUSAL_PADDING
   if "query_segment_ids" in options:
     # The kernels take one pair of ids, the caller's: a segment mask is read as it is.
     kind = jnp.where(kind >= SEGMENTS, DENSE, kind)
   else:
     ids = dict(query_segment_ids=found.query_segment_ids,
                key_value_segment_ids=found.key_value_segment_ids)
-    branches += [lambda: call(**ids),  # SEGMENTS
-                 lambda: call(is_causal=True, **ids)]  # CAUSAL_SEGMENTS
-  return lax.switch(kind, branches)
+    calls += [dict(**ids),  # SEGMENTS
+              dict(is_causal=True, **ids)]  # CAUSAL_SEGMENTS
+  return kind, calls
+
+
+def run_as(found: MaskStructure, q, k, v, bias, mask, is_causal, options):
+  """The kernel call that `found` says reproduces `mask`, picked on the device among every
+  candidate call (compiled all; one runs) by attention_switch: one differentiable unit whose
+  forward and backward are one switch each, with one set of residuals (see its docstring for
+  why not a switch over attention() calls). Apart from _attend so that
+  benchmarks/flax_mask_path.py can time the switch without the classification."""
+  kind, calls = candidates(found, mask, is_causal, options)
+  return attention_switch(kind, q, k, v, bias, candidates=calls, **options)

@@ -15,12 +15,14 @@ tf32 matmuls (reference.baseline_attention) as its attention_fn.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen, nnx
+from jax import lax
 
 import jaxflash
 import reference
@@ -354,6 +356,42 @@ def test_segment_mask_reaches_the_kernels_as_ids(masking):
   assert len(calls) == 2 and all(_has_mask_operand(call, t_len, t_len) for call in calls)
 
 
+# Every conditional but those that pick a platform's lowering.
+_is_conditional = lambda eqn: (eqn.primitive.name == "cond"
+                               and not eqn.params.get("branches_platforms"))
+_is_backward_call = lambda eqn: eqn.primitive == primitives.backward_p
+
+
+def _nbytes(aval):
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+@pytest.mark.parametrize("masking", ["causal_mask_bool", "causal_key_padding", "packed",
+                                     "random_mask"])
+def test_mask_path_forward_conditionals_output_one_residual_set(masking):
+  """Under jax.grad, the conditionals of the mask path's forward (those without a backward
+  kernel call: the classification's and the kernels' switch) output one float32 output-sized
+  array, and no more bytes in all than it, the kernels' lse pair and the mask's structure (kind,
+  lengths, ids): no copies of q, k and v or of the mask, no second out32 from a nested switch
+  (attention.attention_switch says why). bf16, as the benchmark: the output's float32 copy is
+  then the only float32 array of its size."""
+  shape = (BATCH, LENGTH, NUM_HEADS, 16)
+  q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  mask = MASKINGS[masking](nnx).astype(jnp.bool_)
+  loss = lambda q, k, v, mask: jnp.sum(jaxflash.flax_attention(q, k, v, mask=mask).astype(
+      jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q, mask).jaxpr
+  forward = [eqn for eqn in _equations(jaxpr, _is_conditional)
+             if not any(any(_equations(branch.jaxpr, _is_backward_call))
+                        for branch in eqn.params["branches"])]
+  outputs = [v.aval for eqn in forward for v in eqn.outvars]
+  out32 = [a for a in outputs if a.dtype == jnp.float32 and tuple(a.shape) == shape]
+  assert len(out32) == 1, outputs
+  lse2 = math.prod(shape[:-1]) * 2 * 4
+  structure = 4 * (1 + 2 * BATCH + 2 * BATCH * LENGTH)  # kind, lengths, ids (T = S)
+  assert sum(map(_nbytes, outputs)) <= _nbytes(out32[0]) + lse2 + structure, outputs
+
+
 def _packed_module_mask(api, t_len, causal):
   """(B, 1, T, T) for three rows of packed documents (padding after them, an empty document,
   one document filling the row), from the module API's helpers."""
@@ -538,6 +576,185 @@ def test_flax_attention_takes_a_value_head_dim(masking, backend, device):
   ours_2 = jaxflash.flax_attention(two_axes(q), two_axes(k), two_axes(v))
   np.testing.assert_allclose(ours_2[0], jaxflash.attention(q, k, v),
                              *reference.SAME_KERNEL_TOL["float32"])
+
+
+# The kind each masking's mask has (mask_structure's), one per kernel call of the mask path.
+KINDS = {"random_mask": flax_adapter.DENSE, "key_padding": flax_adapter.PADDING,
+         "causal_key_padding": flax_adapter.CAUSAL_PADDING, "packed": flax_adapter.SEGMENTS,
+         "causal_packed": flax_adapter.CAUSAL_SEGMENTS}
+
+
+def _variant(name):
+  """(flax_attention's extra arguments, attention()'s equivalent ones, the shapes of the extra
+  differentiable operands or of q, k, v and the cotangent where they change) of a variant of
+  the mask path's call."""
+  if name == "is_causal":  # nnx's, on top of the mask
+    return dict(is_causal=True), {}, {}
+  if name == "caller_ids":  # the caller's own ids: the segment kinds run as the dense mask
+    ids = jaxflash.segment_ids_from_lengths(np.tile([[3, LENGTH // 2, 1]], (BATCH, 1)), LENGTH)
+    ids = dict(zip(("query_segment_ids", "key_value_segment_ids"), ids))
+    return ids, ids, {}
+  if name == "dropout":
+    dropout = dict(dropout_rate=0.3, dropout_rng=jax.random.key(21), broadcast_dropout=False)
+    return dict(dropout, deterministic=False), dropout, {}
+  if name == "bias":
+    return {}, {}, dict(bias=(BATCH, NUM_HEADS, LENGTH, LENGTH))
+  if name == "alibi":
+    return {}, {}, dict(alibi_slopes=(NUM_HEADS,))
+  if name == "gqa":  # two key/value heads for the four query heads
+    return {}, {}, dict(k=(BATCH, LENGTH, 2, 16), v=(BATCH, LENGTH, 2, 16))
+  if name == "value_head_dim":  # the output (and its cotangent) with the value's 24 features
+    return {}, {}, dict(v=(BATCH, LENGTH, NUM_HEADS, 24), ct=(BATCH, LENGTH, NUM_HEADS, 24))
+  assert name == "plain"
+  return {}, {}, {}
+
+
+def _switch_over_attention_calls(q, k, v, mask, is_causal, options, found=None,
+                                 **differentiable):
+  """The mask path before attention_switch: mask_structure's kind (`found`, or found here) picks
+  one of the candidate attention() calls by a lax.switch, each call its own custom_vjp."""
+  if found is None:
+    found = flax_adapter.mask_structure(mask[:, 0])
+  kind, calls = flax_adapter.candidates(found, mask, is_causal, options)
+  return lax.switch(kind, [functools.partial(jaxflash.attention, q, k, v, **differentiable,
+                                             **options, **call) for call in calls])
+
+
+VARIANTS = ["plain", "is_causal", "caller_ids", "bias", "dropout", "alibi", "gqa",
+            "value_head_dim"]
+BITWISE_CASES = ([(m, v, "float32") for m in KINDS for v in VARIANTS] +
+                 [(m, "plain", "bfloat16") for m in KINDS])
+
+
+@pytest.mark.parametrize("masking,variant,dtype", BITWISE_CASES,
+                         ids=[f"{m}-{v}-{d}" for m, v, d in BITWISE_CASES])
+def test_mask_path_equals_the_switch_over_attention_calls(masking, variant, dtype):
+  """The mask path (one attention_switch) gives bit for bit the output and the gradients (q, k,
+  v, the bias, the ALiBi slopes) of the switch over attention() calls it replaces and of the
+  attention() call it picks, for every kind of mask, with nnx's is_causal, the caller's segment
+  ids, a bias, dropout, ALiBi, GQA and a value head dim of its own. On the CPU, on every
+  machine (the CUDA kernels' run-to-run determinism is not what this checks)."""
+  flax_kwargs, options, extra = _variant(variant)
+  is_causal = flax_kwargs.get("is_causal", False)
+
+  def run():
+    shapes = dict(q=(BATCH, LENGTH, NUM_HEADS, 16), k=(BATCH, LENGTH, NUM_HEADS, 16),
+                  v=(BATCH, LENGTH, NUM_HEADS, 16), ct=(BATCH, LENGTH, NUM_HEADS, 16))
+    inputs = reference.random_inputs(jax.random.key(11), dict(shapes, **extra), dtype)
+    if "alibi_slopes" in inputs:
+      inputs["alibi_slopes"] = jnp.linspace(0.05, 0.8, NUM_HEADS)
+    cotangent = inputs.pop("ct")
+    mask = MASKINGS[masking](nnx).astype(jnp.bool_)
+    found = jax.jit(flax_adapter.mask_structure)(mask[:, 0])
+    assert int(found.kind) == KINDS[masking]
+    kind, calls = flax_adapter.candidates(found, mask, is_causal, options)
+    picked = calls[int(kind)]
+
+    paths = {
+        "mask path": lambda q, k, v, **d: jaxflash.flax_attention(q, k, v, mask=mask, **d,
+                                                                  **flax_kwargs),
+        "switch over attention calls": lambda q, k, v, **d: _switch_over_attention_calls(
+            q, k, v, mask, is_causal, options, **d),
+        "attention call": lambda q, k, v, **d: jaxflash.attention(q, k, v, **d, **options,
+                                                                  **picked),
+    }
+
+    @jax.jit
+    def outputs_and_grads(inputs, cotangent):
+      results = {}
+      for name, path in paths.items():
+        out, vjp = jax.vjp(lambda d: path(**d), inputs)
+        results[name] = (out, vjp(cotangent)[0])
+      return results
+
+    return outputs_and_grads(inputs, cotangent)
+
+  results = reference.on_cpu(run)
+  ours = results.pop("mask path")
+  for name, expected in results.items():
+    for (path, o), e in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(expected)):
+      reference.assert_bitwise_equal(o, e, f"{name}: {jax.tree_util.keystr(path)}")
+
+
+def test_mask_path_under_vmap_runs_each_items_call():
+  """vmap over items whose masks are of every kind: the classification's cond and the kernels'
+  switches see a batched index and become selects that run every branch; each item still gets
+  its own call's output and gradients, as flax_attention on the item alone."""
+
+  def run():
+    items = len(KINDS)
+    shape = (items, BATCH, LENGTH, NUM_HEADS, 16)
+    inputs = reference.random_inputs(jax.random.key(12), dict(q=shape, k=shape, v=shape,
+                                                              ct=shape), "float32")
+    masks = jnp.stack([MASKINGS[m](nnx).astype(jnp.bool_) for m in KINDS])
+
+    def out_and_grads(q, k, v, ct, mask):
+      out, vjp = jax.vjp(lambda q, k, v: jaxflash.flax_attention(q, k, v, mask=mask), q, k, v)
+      return out, vjp(ct)
+
+    operands = (*inputs.values(), masks)
+    batched = jax.jit(jax.vmap(out_and_grads))(*operands)
+    single = jax.jit(out_and_grads)
+    each = [single(*(x[i] for x in operands)) for i in range(items)]
+    return batched, jax.tree.map(lambda *xs: jnp.stack(xs), *each)
+
+  batched, each = reference.on_cpu(run)
+  for (path, b), e in zip(jax.tree_util.tree_leaves_with_path(batched), jax.tree.leaves(each)):
+    reference.assert_same_kernel(b, e, "float32", jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("spec", [("batch",), ("batch", "seq"), (None, "seq")],
+                         ids=["batch", "batch_and_sequence", "sequence"])
+def test_mask_switch_splits_over_devices_as_the_attention_calls(spec):
+  """q, k and v sharded over 8 CPU devices by batch and/or sequence (the kernels' partitioning:
+  shards, or ring attention for sequence-sharded calls it takes, ring.unsupported: not the
+  dense mask's): attention_switch's output and gradients equal bit for bit those of the switch
+  over attention() calls, each branch split as its attention() call; and flax_attention, which
+  classifies the sharded mask itself, gives the same."""
+  devices = jax.devices("cpu")
+  if len(devices) < 8:
+    pytest.skip(f"needs 8 CPU devices, JAX sees {len(devices)}")
+  mesh = jax.sharding.Mesh(np.asarray(devices[:8]).reshape(2, 4), ("batch", "seq"))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+  shape = (4, 64, NUM_HEADS, 16)
+
+  def run():
+    inputs = reference.random_inputs(jax.random.key(13), dict(q=shape, k=shape, v=shape,
+                                                              ct=shape), "float32")
+    cotangent = inputs.pop("ct")
+    qkv = [jax.device_put(x, sharding) for x in inputs.values()]
+    results = []
+    random = jax.random.bernoulli(jax.random.key(7), 0.7, (shape[0], 1, shape[1], shape[1]))
+    for mask in (nnx.make_causal_mask(jnp.ones(shape[:2]), dtype=jnp.bool_),
+                 random.at[..., 0].set(True)):
+      found = jax.jit(flax_adapter.mask_structure)(mask[:, 0])
+      for path in (lambda q, k, v: flax_adapter.run_as(found, q, k, v, None, mask, False, {}),
+                   lambda q, k, v: _switch_over_attention_calls(q, k, v, mask, False, {},
+                                                                found=found),
+                   lambda q, k, v: jaxflash.flax_attention(q, k, v, mask=mask)):
+        out, vjp = jax.jit(lambda *qkv: jax.vjp(path, *qkv))(*qkv)
+        results.append((out, vjp(cotangent)))
+    return results
+
+  results = reference.on_cpu(run)
+  pairs = list(zip(results[::3], results[1::3])) + list(zip(results[2::3], results[::3]))
+  for ours, expected in pairs:
+    for (path, o), e in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(expected)):
+      reference.assert_bitwise_equal(o, e, jax.tree_util.keystr(path))
+
+
+def test_mask_path_with_no_keys():
+  """Cross-attention to zero keys calls no kernel (attention() returns zeros): attention_switch
+  keeps the switch over attention() calls for it; the output and the query's gradient are
+  zeros."""
+  q = jnp.ones((BATCH, LENGTH, NUM_HEADS, 16))
+  kv = jnp.ones((BATCH, 0, NUM_HEADS, 16))
+  mask = jnp.ones((BATCH, 1, LENGTH, 0), jnp.bool_)
+  attend = lambda q: jaxflash.flax_attention(q, kv, kv, mask=mask)
+  out = jax.jit(attend)(q)
+  grad = jax.jit(jax.grad(lambda q: jnp.sum(attend(q))))(q)
+  assert out.shape == grad.shape == q.shape
+  assert not jnp.any(out) and not jnp.any(grad)
 
 
 def test_nnx_module_trains_with_dropout(device):
