@@ -12,6 +12,8 @@
 #                                                          (memset, pre-pass, main, post-pass)
 #   scripts/profile_kernel.sh bwd 128 1024 full timeline   ... and where the sm_90 backward's CTAs
 #                                                          spend their lives (cuda/gpu/timeline.h)
+#   scripts/profile_kernel.sh fwd 128 1024 full timeline   ... and the sm_90 forward's phases per
+#                                                          query tile (cuda/gpu/timeline.h)
 set -euo pipefail
 DIRECTION=${1:?usage: $0 fwd|bwd [D N causal|full [ncu]]}
 shift
@@ -23,7 +25,7 @@ esac
 OUT=${OUT:-/tmp/jaxflash_out}
 BUILD=${BUILD:-/tmp/kernel_profile}  # EXTRA_FLAGS: more nvcc flags, e.g. -DJAXFLASH_BWD_NO_BULK
 if [ "${4:-}" = timeline ]; then  # a build of its own: the stamps are compiled in
-  EXTRA_FLAGS="${EXTRA_FLAGS:-} -DJAXFLASH_BWD_TIMELINE"
+  EXTRA_FLAGS="${EXTRA_FLAGS:-} -DJAXFLASH_$(echo "$DIRECTION" | tr a-z A-Z)_TIMELINE"
   BUILD=$BUILD.timeline
 fi
 mkdir -p "$OUT" "$BUILD"

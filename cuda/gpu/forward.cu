@@ -14,6 +14,7 @@
 #include "arch.h"
 #include "instance.h"
 #include "kernel_traits.h"
+#include "timeline.h"
 #include "primitives/positions.h"
 #include "segment_tile_ranges.h"
 #include "tma_encode.h"
@@ -140,6 +141,13 @@ int64_t forward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t
          segment_tiles_bytes(has_segment_ids, num_instances, seqlen_q, seqlen_k, tiles.block_m, tiles.block_n);
 }
 
+#ifdef JAXFLASH_FWD_TIMELINE
+unsigned long long*& fwd_timeline_buffer() {
+  static unsigned long long* buffer = nullptr;
+  return buffer;
+}
+#endif
+
 cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream_t stream) {
   const int elem_bytes = dtype_bytes(p.dtype);
   if (elem_bytes == 0) return cudaErrorInvalidValue;
@@ -193,6 +201,14 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
       cudaSuccess)
     return err;
 
+#ifdef JAXFLASH_FWD_TIMELINE
+  unsigned long long*& timeline = fwd_timeline_buffer();
+  constexpr size_t kTimelineBytes = sizeof(unsigned long long) * kTlCtas * kFtRowWords;
+  if (timeline == nullptr)
+    if (const cudaError_t e = cudaMalloc(&timeline, kTimelineBytes); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaMemsetAsync(timeline, 0, kTimelineBytes, stream); e != cudaSuccess) return e;
+  rt.timeline = timeline;
+#endif
   switch (p.dtype) {
     case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);
     case DType::kBF16: return dispatch_head_dim<__nv_bfloat16>(p, rt, stream);

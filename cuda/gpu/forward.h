@@ -26,4 +26,10 @@ int64_t forward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t
 // synchronises (safe under CUDA-graph capture); empty problems launch nothing.
 cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream_t stream);
 
+#ifdef JAXFLASH_FWD_TIMELINE
+// The sm_90 forward's per-CTA phase sums of the last launch (timeline.h): kTlCtas x
+// kFtRowWords words on the device, allocated at the first launch (profiling builds only).
+unsigned long long*& fwd_timeline_buffer();
+#endif
+
 }  // namespace jaxflash::gpu

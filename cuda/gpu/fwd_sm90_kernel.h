@@ -63,6 +63,7 @@
 #include "primitives/tma.h"
 #include "primitives/wgmma.h"
 #include "tile_size.h"
+#include "timeline.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
@@ -165,10 +166,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   regs_acquire<Cfg::kConsumerRegs>();
   const int ctid = tid - 128;  // among the consumers: warpgroup ctid / 128, warp ctid / 32
   const int lane = tid % 32;
+#ifdef JAXFLASH_FWD_TIMELINE
+  unsigned long long prev_end = 0;  // the warpgroup's last computed tile's end (timeline.h)
+#endif
   // n: the CTA's tiles so far; kv: its key tiles consumed so far.
 #pragma unroll 1
   for (uint32_t n = 0, kv = 0;; ++n) {
     const int index = sm.receive_tile(n);
+    FwdStamps stamps;
+    stamps.now(0);
     if (index >= rt.tiles) return;
     const FwdTile tile = forward_tile<BM>(p, rt, index);
     const InstanceBounds bounds = instance_bounds(p, tile.linear);
@@ -182,6 +188,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     zero_frags(o);
     typename Cfg::State st;
     st.init();
+#ifdef JAXFLASH_FWD_TIMELINE
+    int rounds = 0;  // key tiles this warpgroup computed in the tile (0: passed or empty)
+#endif
     // The consumers' work under runtime `crt`.
     auto consume = [&](const FwdRuntime& crt) {
       if (any) {
@@ -199,10 +208,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ops.alibi2 = 1.4426950408889634f * alibi_slope(p, tile.linear);
         }
         const int wg = warpgroup - 1;
-        if (tile.m0 + 64 * wg < pos.q_len)
-          forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, wg, ctid % 128, n, kv);
-        else  // rows all past the query length: nothing to compute
+        if (tile.m0 + 64 * wg < pos.q_len) {
+#ifdef JAXFLASH_FWD_TIMELINE
+          const uint32_t kv0 = kv;
+#endif
+          forward_sm90_consume<Cfg>(p, crt, pos, sm, walk, ops, tile.m0, top, o, st, wg, ctid % 128, n, kv, stamps);
+#ifdef JAXFLASH_FWD_TIMELINE
+          rounds = static_cast<int>(kv - kv0);
+#endif
+        } else {  // rows all past the query length: nothing to compute
           forward_sm90_pass<Cfg>(sm, walk, top, wg, lane, n, kv);
+        }
       } else {
         // Q's phase completed without a load: nothing to read, and with O in a buffer of
         // its own nothing to wait for before releasing it.
@@ -220,6 +236,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // (Its addresses from opaque values: see opaque.)
       const typename Cfg::QTile so{opaque(sm.o().ptr)};
       forward_epilogue<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, so, o, st, opaque(ctid));
+#ifdef JAXFLASH_FWD_TIMELINE
+      if (rounds > 0 && ctid % 128 == 0) {  // a computed tile, stamped by its warpgroup's first thread
+        stamps.now(kFtEpilogue + 1);
+        stamps.add(rt.timeline + (blockIdx.x % kTlCtas) * kFtRowWords, warpgroup - 1, prev_end, rounds);
+        prev_end = stamps.t[kFtEpilogue + 1];
+      }
+#endif
       if constexpr (!Cfg::kSeparateO) {
         fence_proxy_async_shared();
         __syncwarp();

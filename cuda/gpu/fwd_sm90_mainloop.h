@@ -42,6 +42,7 @@
 #include "primitives/tma.h"
 #include "primitives/wgmma.h"
 #include "segment_tiles.h"
+#include "timeline.h"
 #include "../params.h"
 
 namespace jaxflash::gpu {
@@ -253,7 +254,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
                                                      const KeyTileWalk<Cfg>& walk,
                                                      const FwdOperands<typename Cfg::T>& ops, int m0, int top,
                                                      Acc<Cfg::kHeadDim>& o, SoftmaxState<1>& st, int wg, int tid,
-                                                     uint32_t n, uint32_t& kv) {
+                                                     uint32_t n, uint32_t& kv, FwdStamps& stamps) {
   using T = typename Cfg::T;
   constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim, S = Cfg::kStages;
   const int lane = tid % 32, warp = tid / 32;
@@ -371,6 +372,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   };
 
   mbar_wait(sm.q_full(), n & 1u);
+  stamps.now(kFtQWait + 1);
   // Warpgroup 0 goes first. Each query tile's turns balance on both barriers
   // (warpgroup 1's last turn hands over none), so the next tile starts afresh.
   if (Cfg::kPingPong && wg == 1) named_arrive(kTurnBarrier + 0, Cfg::kConsumerThreads);
@@ -385,6 +387,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     begin_turn();
     issue_s(r);
     end_turn(false);
+    stamps.now(kFtFirstS + 1);
     if (Cfg::kSkipUnseen && r > 0) pass_v(r - 1);
     wgmma_wait<0>();
     softmax(r, n0, MaskStep<kMaskTest>{});
@@ -425,6 +428,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     // the epilogue.
     if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
     const bool tail = Cfg::kSkipUnseen && walk.visits(n0);  // tiles left of the rows' window follow
+    stamps.now(kFtRounds + 1);
     wait_v(r - 1);  // the last P V
     begin_turn();
     issue_pv(r - 1);
@@ -432,6 +436,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
     if (tail) pass_k(r);
     wgmma_wait<0>();
     pv_done(r - 1);
+    stamps.now(kFtLastPv + 1);
     if (tail)
       for (n0 = walk.next(n0), ++r;; n0 = walk.next(n0), ++r) {
         const bool has_k = walk.visits(n0);

@@ -113,6 +113,9 @@ struct FwdRuntime {
   // Segment ids: the id ranges of the tiles of the kernel that runs (the sm_90 one's or the
   // general variant's), in the forward's scratch (segment_tiles.h); null tables without ids.
   SegmentTiles segments;
+#ifdef JAXFLASH_FWD_TIMELINE
+  unsigned long long* timeline;  // timeline.h
+#endif
 };
 
 // The runtime a forward kernel computes instance `linear` with: the launch's, with score_mul

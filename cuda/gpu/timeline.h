@@ -1,4 +1,6 @@
-// Per-CTA event times of the sm_90 backward, for profiling only: compiled in
+// Per-CTA event times of the sm_90 kernels, for profiling only.
+//
+// The backward: compiled in
 // with -DJAXFLASH_BWD_TIMELINE (scripts/profile_kernel.sh bwd D N causal|full
 // timeline), absent otherwise. Each (persistent) CTA stamps the GPU's global
 // timer (ns) at the events below of its item kTlItem, the second, whose K / V
@@ -10,9 +12,29 @@
 // reduction's time to the turn's release): what the persistent grid leaves exposed. Nsight Compute
 // samples stalls by source line, but cannot say how long an item waits before
 // its first product or after its last.
+//
+// The forward: compiled in with -DJAXFLASH_FWD_TIMELINE (scripts/profile_kernel.sh fwd D N
+// causal|full timeline). Each consumer warpgroup's first thread sums, over every query tile it
+// computes, the time from one event to the next (FwdTimelinePhase) into its CTA's row of a
+// device buffer that forward.cu allocates (fwd_timeline_buffer); fwd_selftest's bench prints
+// the means per tile: what a tile spends besides its rounds of products, which at N = 1k is
+// ~5 us of ~18 (docs/DESIGN.md).
 #pragma once
 
 namespace jaxflash::gpu {
+
+enum FwdTimelinePhase : int {
+  kFtQWait = 0,      // the tile received -> its Q in shared memory
+  kFtFirstS = 1,     // -> its first S product issued (the first K tile, the turn)
+  kFtRounds = 2,     // -> the rounds' loop done (every S product and softmax)
+  kFtLastPv = 3,     // -> the last P V product done
+  kFtEpilogue = 4,   // -> O and lse stored
+  kFtNext = 5,       // -> the next tile received
+  kFtTiles = 6,      // tiles computed
+  kFtRoundCount = 7,  // key tiles computed
+  kFtPhases = 8,
+  kFtRowWords = 4 * kFtPhases,  // a CTA's row: up to three consumer warpgroups (and a spare)
+};
 
 enum BwdTimelineEvent : int {
   kTlStart = 0,       // consumer 0: the item received
@@ -30,13 +52,35 @@ enum BwdTimelineEvent : int {
   kTlItem = 1,        // the item stamped
 };
 
-#ifdef JAXFLASH_BWD_TIMELINE
-constexpr bool kTlEnabled = true;
+#if defined(JAXFLASH_BWD_TIMELINE) || defined(JAXFLASH_FWD_TIMELINE)
 __device__ __forceinline__ unsigned long long timeline_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#endif
+
+// A consumer warpgroup's stamps over one query tile (the forward's phases above), summed into
+// its CTA's row by `add`; nothing without -DJAXFLASH_FWD_TIMELINE.
+struct FwdStamps {
+#ifdef JAXFLASH_FWD_TIMELINE
+  unsigned long long t[kFtTiles + 1];  // event e ends phase e - 1; t[0]: the tile received
+  __device__ __forceinline__ void now(int event) { t[event] = timeline_now(); }
+  // Phases 0 .. kFtEpilogue of this tile, and the gap from the previous tile's end.
+  __device__ __forceinline__ void add(unsigned long long* row, int wg, unsigned long long prev_end, int rounds) const {
+    unsigned long long* w = row + wg * kFtPhases;
+    for (int e = kFtQWait; e <= kFtEpilogue; ++e) atomicAdd(w + e, t[e + 1] - t[e]);
+    if (prev_end != 0) atomicAdd(w + kFtNext, t[0] - prev_end);
+    atomicAdd(w + kFtTiles, 1ull);
+    atomicAdd(w + kFtRoundCount, static_cast<unsigned long long>(rounds));
+  }
+#else
+  __device__ __forceinline__ void now(int) {}
+#endif
+};
+
+#ifdef JAXFLASH_BWD_TIMELINE
+constexpr bool kTlEnabled = true;
 // The event's word in this CTA's row.
 #define JF_TIMELINE_SLOT(rt, event) \
   ((rt).timeline[(blockIdx.x % ::jaxflash::gpu::kTlCtas) * ::jaxflash::gpu::kTlEvents + (event)])

@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "../forward.h"
+#include "../timeline.h"
 #include "selftest_util.h"
 
 namespace {
@@ -302,6 +304,32 @@ bool run_case(const Case& c, std::mt19937& rng) {
   return ok;
 }
 
+#ifdef JAXFLASH_FWD_TIMELINE
+// Where the last launch's consumer warpgroups spent their query tiles (timeline.h): per
+// warpgroup, the mean over its computed tiles of each phase, in us, and of a round of the
+// rounds' loop (each tile's first S product is in "first S", its last P V in "last PV").
+void fwd_timeline_report() {
+  using namespace jaxflash::gpu;
+  std::vector<unsigned long long> t(size_t(kTlCtas) * kFtRowWords);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemcpy(t.data(), fwd_timeline_buffer(), t.size() * sizeof(t[0]), cudaMemcpyDeviceToHost));
+  const char* names[kFtTiles] = {"Q wait", "first S", "rounds", "last PV", "epilogue", "to next"};
+  for (int wg = 0; wg < 3; ++wg) {
+    double sum[kFtTiles] = {}, tiles = 0, rounds = 0, ctas = 0;
+    for (int c = 0; c < kTlCtas; ++c) {
+      const unsigned long long* w = t.data() + size_t(c) * kFtRowWords + wg * kFtPhases;
+      for (int e = 0; e < kFtTiles; ++e) sum[e] += double(w[e]);
+      tiles += double(w[kFtTiles]), rounds += double(w[kFtRoundCount]), ctas += w[kFtTiles] > 0;
+    }
+    if (tiles == 0) continue;
+    std::printf("    warpgroup %d: %.0f tiles, %.2f key tiles each; us per tile:", wg, tiles, rounds / tiles);
+    for (int e = 0; e < kFtTiles; ++e)  // the gaps: one fewer than the tiles per CTA
+      std::printf(" %s %.2f", names[e], sum[e] / (e == kFtNext ? std::max(tiles - ctas, 1.0) : tiles) / 1e3);
+    std::printf("; a round %.3f\n", sum[kFtRounds] / std::max(rounds - tiles, 1.0) / 1e3);
+  }
+}
+#endif
+
 void bench(const BenchFilter& only = {}) {
   std::printf("\nbf16 forward, batch x seqlen = 16384 tokens, hidden 2048 (FlashAttention's protocol)\n");
   for (int H : {64, 128, 256})
@@ -345,6 +373,10 @@ void bench(const BenchFilter& only = {}) {
         const double flops = 4.0 * B * N * double(L) * L * H / (causal ? 2 : 1);
         std::printf("  H=%3d %-6s N=%5d  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L, ms,
                     flops / ms / 1e9);
+#ifdef JAXFLASH_FWD_TIMELINE
+        CHECK_CUDA(jaxflash::gpu::launch_forward(p, ws.ptr, nullptr));  // alone: its CTAs' sums
+        fwd_timeline_report();
+#endif
         CHECK_CUDA(cudaEventDestroy(start));
         CHECK_CUDA(cudaEventDestroy(stop));
       }
