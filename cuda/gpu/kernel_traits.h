@@ -53,7 +53,8 @@ struct FwdConfig {
   // Each row's largest score, for the normaliser's correction (softmax_finalize): not in the
   // fast 16-bit variant, where its two registers per m16 row cost spills (ptxas bf16 D = 128:
   // sm_80 188 / 356 -> 276 / 416 bytes stored / loaded, sm_90a 140 / 308 -> 308 / 432). That
-  // variant runs 16-bit D = 64 / 128 where the sm_90 kernels do not (sm_80 / sm_89).
+  // variant runs 16-bit calls the sm_90 kernels do not take (D = 32 / 96 / 192 on Hopper, every
+  // D on sm_80 / sm_89).
   static constexpr bool kTrackMax = kGeneral || sizeof(T) == 4;
   using State = SoftmaxState<kMF, kTrackMax>;
 
