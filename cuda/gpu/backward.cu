@@ -287,12 +287,8 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   rt.dv_vec = rows_aligned(p, p.dv, elem_bytes);
   rt.counter = reinterpret_cast<int*>(base);
 #ifdef JAXFLASH_BWD_TIMELINE
-  unsigned long long*& timeline = bwd_timeline_buffer();
-  constexpr size_t kTimelineBytes = sizeof(unsigned long long) * kTlCtas * kTlEvents;
-  if (timeline == nullptr)
-    if (const cudaError_t e = cudaMalloc(&timeline, kTimelineBytes); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaMemsetAsync(timeline, 0, kTimelineBytes, stream); e != cudaSuccess) return e;
-  rt.timeline = timeline;
+  if (const cudaError_t e = zeroed_timeline(bwd_timeline_buffer(), kTlEvents, stream); e != cudaSuccess) return e;
+  rt.timeline = bwd_timeline_buffer();
 #endif
   rt.sems = reinterpret_cast<int*>(base + w.sems_off);
   rt.dq_acc = reinterpret_cast<float*>(base + w.dq_acc_off);

@@ -202,12 +202,8 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
     return err;
 
 #ifdef JAXFLASH_FWD_TIMELINE
-  unsigned long long*& timeline = fwd_timeline_buffer();
-  constexpr size_t kTimelineBytes = sizeof(unsigned long long) * kTlCtas * kFtRowWords;
-  if (timeline == nullptr)
-    if (const cudaError_t e = cudaMalloc(&timeline, kTimelineBytes); e != cudaSuccess) return e;
-  if (const cudaError_t e = cudaMemsetAsync(timeline, 0, kTimelineBytes, stream); e != cudaSuccess) return e;
-  rt.timeline = timeline;
+  if (const cudaError_t e = zeroed_timeline(fwd_timeline_buffer(), kFtRowWords, stream); e != cudaSuccess) return e;
+  rt.timeline = fwd_timeline_buffer();
 #endif
   switch (p.dtype) {
     case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);

@@ -21,6 +21,8 @@
 // ~5 us of ~18 (docs/DESIGN.md).
 #pragma once
 
+#include <cuda_runtime.h>
+
 namespace jaxflash::gpu {
 
 enum FwdTimelinePhase : int {
@@ -57,6 +59,17 @@ __device__ __forceinline__ unsigned long long timeline_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+#endif
+
+#if defined(JAXFLASH_BWD_TIMELINE) || defined(JAXFLASH_FWD_TIMELINE)
+// A launch's timeline: `buffer` (one per direction, kept across launches) allocated at the
+// first launch and zeroed on the stream before each, `words` per CTA row.
+inline cudaError_t zeroed_timeline(unsigned long long*& buffer, int words, cudaStream_t stream) {
+  const size_t bytes = sizeof(unsigned long long) * kTlCtas * words;
+  if (buffer == nullptr)
+    if (const cudaError_t e = cudaMalloc(&buffer, bytes); e != cudaSuccess) return e;
+  return cudaMemsetAsync(buffer, 0, bytes, stream);
 }
 #endif
 
