@@ -253,7 +253,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
                                                      const Positions& pos, const FwdSm90Smem<Cfg>& sm,
                                                      const KeyTileWalk<Cfg>& walk,
                                                      const FwdOperands<typename Cfg::T>& ops, int m0, int top,
-                                                     Acc<Cfg::kHeadDim>& o, SoftmaxState<1>& st, int wg, int tid,
+                                                     Acc<Cfg::kHeadDim>& o, typename Cfg::State& st, int wg, int tid,
                                                      uint32_t n, uint32_t& kv, FwdStamps& stamps) {
   using T = typename Cfg::T;
   constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim, S = Cfg::kStages;
