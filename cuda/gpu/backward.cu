@@ -381,7 +381,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   int l2_bytes = 0;
   if ((err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device)) != cudaSuccess) return err;
   const int64_t group_q_do_bytes = rt.ticket_group * rt.kv_reduced * p.seqlen_q * d_pad * elem_bytes * 2;
-  rt.keys_descend = p.window_right != kUnbounded && group_q_do_bytes <= l2_bytes / 2;
+  rt.keys_descend = p.window_right != kUnbounded && (group_q_do_bytes <= l2_bytes / 2 || p.has(kHasSegmentIds));
   rt.dbias_reduce_mask = want_dbias ? shared_axes(p, p.dbias) : 0u;
   rt.dbias_kept = split_count(p, rt.dbias_reduce_mask, false);
   rt.dbias_reduced = split_count(p, rt.dbias_reduce_mask, true);
