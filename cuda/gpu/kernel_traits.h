@@ -102,6 +102,7 @@ struct FwdRuntime {
   // The grid's instance groups (fwd_schedule.h).
   int sms;             // the device's multiprocessors (forward.cu)
   int64_t tile_group;  // instances per group (the launcher)
+  int instances;       // p.num_instances() (the launcher), which the tile decode would multiply out per tile
   // The persistent sm_90 kernel's tiles (the launcher) and the counter its CTAs take them
   // from (next_persistent_tile), 4 bytes of the forward's workspace (forward.cu).
   int tiles;
