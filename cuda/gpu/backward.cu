@@ -378,10 +378,20 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // apart. H100, bf16, 16k tokens (BENCHMARKS.md, 2026-11-26): descending everywhere took
   // causal N = 1k to 1.18 / 1.25 of ascending (D = 64 / 128; group Q + dO 8.6 / 17 MB), and
   // 4k to 0.95 / 0.89 (35 / 69 MB), 16k to 0.65 / 0.62 (all instances, 134 MB).
+  // Under segment ids a key tile meets only its documents' query tiles, so what must fit is
+  // the group's rows of the longest document, not of the whole row: the host cannot see the
+  // ids, so the id tables' kernel checks every key tile's span of meeting query tiles on the
+  // device, and the kernels descend unless one is longer (keys_descend, bwd_key_tile.h).
+  // H200, 16 documents of 1k packed in a 16k row, causal, bf16, D = 128: fwd+bwd 1697 ->
+  // 1253 us, the time of the same documents as separate rows with segment ids.
   int l2_bytes = 0;
   if ((err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device)) != cudaSuccess) return err;
-  const int64_t group_q_do_bytes = rt.ticket_group * rt.kv_reduced * p.seqlen_q * d_pad * elem_bytes * 2;
-  rt.keys_descend = p.window_right != kUnbounded && group_q_do_bytes <= l2_bytes / 2;
+  const int64_t group_row_bytes = rt.ticket_group * rt.kv_reduced * d_pad * elem_bytes * 2;  // Q + dO per row
+  const int64_t rows_in_l2 = l2_bytes / 2 / group_row_bytes;
+  const bool band = p.window_right != kUnbounded;
+  rt.keys_descend = band && (p.seqlen_q <= rows_in_l2 || p.has(kHasSegmentIds));
+  // (negative: no check)
+  const int64_t max_q_span = band && p.seqlen_q > rows_in_l2 && p.has(kHasSegmentIds) ? rows_in_l2 / tiles.block_m : -1;
   rt.dbias_reduce_mask = want_dbias ? shared_axes(p, p.dbias) : 0u;
   rt.dbias_kept = split_count(p, rt.dbias_reduce_mask, false);
   rt.dbias_reduced = split_count(p, rt.dbias_reduce_mask, true);
@@ -391,7 +401,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // 128) or the general variant's (BwdWorkspaceLayout sizes the tables for the latter, the
   // larger).
   if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, base + w.segments_off, rt.segments,
-                                        stream)) != cudaSuccess)
+                                        stream, max_q_span)) != cudaSuccess)
     return err;
 
   switch (p.dtype) {

@@ -170,7 +170,7 @@ struct BwdRuntime {
   // tile: where k or v move along a reduced axis, or the key lengths do.
   bool kv_per_instance;
   int64_t ticket_group;  // kept instances per group of tickets (bwd_key_tile.h)
-  bool keys_descend;     // key tiles take tickets and dQ turns from the last down (bwd_key_tile.h)
+  bool keys_descend;     // key tiles may take tickets and dQ turns from the last down (bwd_key_tile.h)
 
   // The dbias kernel: outputs per dbias-kept instance, summed over the
   // `dbias_reduced` instances it is broadcast along, and over rows / columns

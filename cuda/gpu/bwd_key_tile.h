@@ -23,7 +23,7 @@ namespace jaxflash::gpu {
 // "No deadlock"). The groups keep a few instances' Q / dO in L2 for the CTAs in
 // flight (bwd_tile_size.h: kBwdKeyTilesInFlight).
 //
-// The order: ascending key tiles, or descending (rt.keys_descend) where the
+// The order: ascending key tiles, or descending (keys_descend) where the
 // keys visible to a query end at a window's right edge (causal masking). There,
 // key tile j visits Q tiles j, j + 1, ... (from its diagonal down), and Q tile
 // i is added to by key tiles ... i - 1, i. In ascending order key tile j's
@@ -38,6 +38,14 @@ namespace jaxflash::gpu {
 // tiles far apart, so their Q / dO reads hit L2 only while the group's whole Q
 // and dO stay there: launch_backward descends only where they fit (measured:
 // 1.18-1.25x at N = 1k, 0.62-0.95x at 4k-16k where they did not).
+// Whether this launch's key tiles descend: the host's choice (launch_backward), unless under
+// segment ids the id tables' kernel found a key tile whose documents span more query tiles than
+// L2 keeps for the group (segment_tile_ranges.h). One word, the same for every CTA of the
+// launch, so that tickets and dQ turns follow one order.
+__device__ __forceinline__ bool keys_descend(const BwdRuntime& rt) {
+  return rt.keys_descend && (rt.segments.span_exceeded == nullptr || __ldg(rt.segments.span_exceeded) == 0);
+}
+
 struct KeyTileTicket {
   int64_t kept;      // the kept instance
   int64_t key_tile;  // keys [key_tile * BLOCK_N, + BLOCK_N)
@@ -53,7 +61,7 @@ __device__ __forceinline__ KeyTileTicket decode_key_tile(const BwdRuntime& rt, I
   const Index group = ticket / per_group, first = group * group_size, in_group = ticket - group * per_group;
   const Index size = min(group_size, static_cast<Index>(rt.kv_kept) - first);  // the last group may be smaller
   const Index nth = in_group / size;
-  return {first + in_group % size, rt.keys_descend ? k_tiles - 1 - nth : nth};
+  return {first + in_group % size, keys_descend(rt) ? k_tiles - 1 - nth : nth};
 }
 
 // The CTA's ticket, taken on entry (the mma.sync kernel: a CTA per ticket); its CTA barrier
@@ -75,8 +83,9 @@ __device__ __forceinline__ int key_tile_turn(const AttentionParams& p, const Bwd
                                              const InstanceBounds& b, int64_t linear, int64_t i,
                                              int64_t key_tile, bool ids, int lane) {
   const KeyRange keys = visible_keys(p, b, i * BM, i * BM + BM);
-  const int64_t lo = rt.keys_descend ? key_tile + 1 : keys.lo / BN;
-  const int64_t hi = rt.keys_descend ? (keys.hi + BN - 1) / BN : key_tile;
+  const bool descend = keys_descend(rt);
+  const int64_t lo = descend ? key_tile + 1 : keys.lo / BN;
+  const int64_t hi = descend ? (keys.hi + BN - 1) / BN : key_tile;
   return ids ? rt.segments.meeting_key_tiles(linear, i, lo, hi, lane) : static_cast<int>(hi - lo);
 }
 

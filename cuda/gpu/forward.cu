@@ -91,7 +91,8 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   rt.sm90_wide_keys = wide;
   rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, tiles.block_m) &&
             encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, tiles.block_n) &&
-            encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, tiles.block_n);
+            encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, tiles.block_n) &&
+            (p.has(kOutputF32) || encode_tma_operand(rt.tma_o, p, p.o, p.seqlen_q, kFwdSm90WarpRows));
   return cudaSuccess;
 }
 

@@ -42,14 +42,16 @@ __device__ __forceinline__ void store_o_f32(const AttentionParams& p, const FwdR
     }
 }
 
-// Rows [m0 + warp_row, + kWarpRows) of o and lse. Only this warp's rows of sO
-// are touched, and only this warp read them (as Q), so a warp barrier suffices.
-// o_origin: T, or float with kOutputF32.
+// The warp's rows [m0 + warp_row, + kWarpRows) of o and lse, up to their last step: O
+// normalised, lse stored, and O, where it is 16-bit, staged in the warp's own rows of sO (which
+// only this warp read, as Q; __syncwarp'd), for the caller to store: true then. float32 O
+// (kOutputF32) goes to o_origin from registers: false.
 template <class Cfg>
-__device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const FwdRuntime& rt,
-                                                 const Positions& pos, void* o_origin, float* lse_origin, int m0,
-                                                 const typename Cfg::QTile& sO, float (&o)[Cfg::kMF][Cfg::kDF][4],
-                                                 const typename Cfg::State& st, int tid) {
+__device__ __forceinline__ bool forward_epilogue_stage(const AttentionParams& p, const FwdRuntime& rt,
+                                                       const Positions& pos, void* o_origin, float* lse_origin,
+                                                       int m0, const typename Cfg::QTile& sO,
+                                                       float (&o)[Cfg::kMF][Cfg::kDF][4],
+                                                       const typename Cfg::State& st, int tid) {
   using T = typename Cfg::T;
   const int lane = tid % 32;
   const int warp_row = (tid / 32) * Cfg::kWarpRows;
@@ -73,7 +75,7 @@ __device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const
 
   if (p.has(kOutputF32)) {
     store_o_f32<Cfg>(p, rt, static_cast<float*>(o_origin) + row0 * p.o.row_stride, row0, o, lane);
-    return;
+    return false;
   }
 
   // Registers -> shared, in T. Each lane writes 2 adjacent columns of a row.
@@ -91,8 +93,21 @@ __device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const
           sO.template at<uint32_t>(row, col) = pack2(x, y, T{});
       }
   __syncwarp();
+  return true;
+}
 
-  // Shared -> global; rows up to T (padding rows hold zeros), columns up to head_dim.
+// The whole epilogue by the threads themselves (the mma.sync kernel's): the staged rows from
+// shared to global memory, rows up to T (padding rows hold zeros), columns up to head_dim.
+template <class Cfg>
+__device__ __forceinline__ void forward_epilogue(const AttentionParams& p, const FwdRuntime& rt,
+                                                 const Positions& pos, void* o_origin, float* lse_origin, int m0,
+                                                 const typename Cfg::QTile& sO, float (&o)[Cfg::kMF][Cfg::kDF][4],
+                                                 const typename Cfg::State& st, int tid) {
+  if (!forward_epilogue_stage<Cfg>(p, rt, pos, o_origin, lse_origin, m0, sO, o, st, tid)) return;
+  const int lane = tid % 32;
+  const int warp_row = (tid / 32) * Cfg::kWarpRows;
+  const int row0 = m0 + warp_row;
+  using T = typename Cfg::T;
   T* out = static_cast<T*>(o_origin) + row0 * p.o.row_stride;
   const int rows = max(min(static_cast<int>(p.seqlen_q) - row0, Cfg::kWarpRows), 0);
   store_tile_rows<32, Cfg::kWarpRows>(sO, warp_row, out, p.o.row_stride, rows, static_cast<int>(p.head_dim),

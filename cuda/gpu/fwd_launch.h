@@ -35,6 +35,7 @@ cudaError_t launch_query_tiles(Kernel* kernel, const AttentionParams& p, const F
   FwdRuntime grid_rt = rt;
   grid_rt.tile_group = forward_tile_group(p, rt.sms, num_m);
   grid_rt.tiles = static_cast<int>(blocks);
+  grid_rt.instances = static_cast<int>(p.num_instances());
   int64_t grid = blocks;
   if constexpr (kPersistent) {
     grid = std::min<int64_t>(blocks, std::max(rt.sms, 1));

@@ -29,7 +29,7 @@ struct FwdTile {
 // code in the persistent kernel's loop over tiles, whose producer has 24 registers.
 template <int kBlockM>
 __device__ __forceinline__ FwdTile forward_tile(const AttentionParams& p, const FwdRuntime& rt, int block) {
-  const int instances = static_cast<int>(p.num_instances()), group_size = static_cast<int>(rt.tile_group);
+  const int instances = rt.instances, group_size = static_cast<int>(rt.tile_group);
   const int num_m = (static_cast<int>(p.seqlen_q) + kBlockM - 1) / kBlockM;
   const int group_blocks = group_size * num_m;
   const int group = block / group_blocks;

@@ -116,7 +116,7 @@ struct FwdSm90Config {
   static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kScoreMods, kWideKeys>(), "tile_size.h sizes the same layout");
   // The shape the epilogue (fwd_epilogue.h) sees: the consumer warps, one m16
   // fragment of rows each.
-  static constexpr int kWarpRows = 16, kMF = 1, kDF = D / 8, kNF = kBlockN / 8;
+  static constexpr int kWarpRows = kFwdSm90WarpRows, kMF = 1, kDF = D / 8, kNF = kBlockN / 8;
 };
 
 template <class Cfg>
@@ -175,7 +175,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int index = sm.receive_tile(n);
     FwdStamps stamps;
     stamps.now(0);
-    if (index >= rt.tiles) return;
+    if (index >= rt.tiles) {
+      // The warp's last TMA stores of O, done before the CTA and its shared memory end.
+      if (Cfg::kSeparateO && lane == 0) bulk_wait_all();
+      return;
+    }
     const FwdTile tile = forward_tile<BM>(p, rt, index);
     const InstanceBounds bounds = instance_bounds(p, tile.linear);
     const Positions pos(p, bounds);
@@ -225,9 +229,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         mbar_wait(sm.q_full(), n & 1u);
         if constexpr (Cfg::kSeparateO) mbar_arrive_if(sm.q_empty(), lane == 0);
       }
+      // With O in a buffer of its own (kSeparateO) each warp's 16 rows leave it by TMA stores
+      // that the warp's lane 0 issues: the previous tile's must have read the rows before the
+      // warp stages this one's there. Without, the warp stores them itself (fwd_epilogue.h).
+      if constexpr (Cfg::kSeparateO) {
+        if (lane == 0) bulk_wait_reads();
+        __syncwarp();
+      }
       const InstanceIndex inst(p, tile.linear);
-      void* const o_origin =
-          p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
       float* const lse_origin = p.lse.data != nullptr ? inst.origin<float>(p, p.lse) : nullptr;
       // Each warp stages O through its own 16 rows of O's buffer. Without kSeparateO that is
       // Q's, whose rows only the warp's warpgroup's products read, and those are complete;
@@ -235,7 +244,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ordered before the TMA's writes, the warp's lanes all done).
       // (Its addresses from opaque values: see opaque.)
       const typename Cfg::QTile so{opaque(sm.o().ptr)};
-      forward_epilogue<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, so, o, st, opaque(ctid));
+      if constexpr (Cfg::kSeparateO) {
+        // (float32 O, kOutputF32, goes from registers to o_origin.)
+        void* const o_origin = p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : nullptr;
+        if (forward_epilogue_stage<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, so, o, st, opaque(ctid))) {
+          fence_proxy_async_shared();  // the staged rows, before the TMA reads them
+          __syncwarp();
+          if (lane == 0) {
+            int oc[3];
+            rt.tma_o.instance_coords(tile.linear, oc);
+            const int warp_row = ctid / 32 * Cfg::kWarpRows;
+            tma_store_rows(rt.tma_o, oc, so, warp_row, tile.m0 + warp_row);
+            bulk_commit();
+          }
+        }
+      } else {
+        void* const o_origin =
+            p.has(kOutputF32) ? static_cast<void*>(inst.origin<float>(p, p.o)) : inst.origin<T>(p, p.o);
+        forward_epilogue<Cfg>(p, crt, pos, o_origin, lse_origin, tile.m0, so, o, st, opaque(ctid));
+      }
 #ifdef JAXFLASH_FWD_TIMELINE
       if (rounds > 0 && ctid % 128 == 0) {  // a computed tile, stamped by its warpgroup's first thread
         stamps.now(kFtEpilogue + 1);

@@ -102,15 +102,17 @@ struct FwdRuntime {
   // The grid's instance groups (fwd_schedule.h).
   int sms;             // the device's multiprocessors (forward.cu)
   int64_t tile_group;  // instances per group (the launcher)
+  int instances;       // p.num_instances() (the launcher), which the tile decode would multiply out per tile
   // The persistent sm_90 kernel's tiles (the launcher) and the counter its CTAs take them
   // from (next_persistent_tile), 4 bytes of the forward's workspace (forward.cu).
   int tiles;
   unsigned* tile_counter;
   // The sm_90 kernel runs (forward.cu: the device runs sm_90a code, the case
-  // is covered, every operand has a TMA descriptor), with these descriptors.
+  // is covered, every operand has a TMA descriptor), with these descriptors:
+  // o's (16-bit O only) in boxes of a consumer warp's 16 rows, its TMA stores.
   bool sm90;
   bool sm90_wide_keys;  // with 160-key tiles (tile_size.h's fwd_sm90_wide_keys)
-  TmaOperand tma_q, tma_k, tma_v;
+  TmaOperand tma_q, tma_k, tma_v, tma_o;
   // Segment ids: the id ranges of the tiles of the kernel that runs (the sm_90 one's or the
   // general variant's), in the forward's scratch (segment_tiles.h); null tables without ids.
   SegmentTiles segments;

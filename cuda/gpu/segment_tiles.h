@@ -19,6 +19,9 @@ struct SegmentTiles {
   const IdRange* q = nullptr;
   const IdRange* k = nullptr;
   int64_t q_tiles = 0, k_tiles = 0;
+  // The backward's key order check (launch_segment_tile_ranges): nonzero where some key tile
+  // meets query tiles further apart than the launcher's limit; null where nothing was checked.
+  const int* span_exceeded = nullptr;
 
   // Whether query tile i and key tile j of instance `linear` may hold a pair of equal ids
   // (always without segment ids).
@@ -69,13 +72,13 @@ inline int64_t segment_table_bytes(int64_t instances, int64_t tiles) {
   return (instances * tiles * int64_t{sizeof(IdRange)} + 255) / 256 * 256;
 }
 
-// The scratch the two tables take (the first 256-byte aligned inside a buffer of any
-// alignment, hence 256 bytes of slack); 0 without segment ids.
+// The scratch the two tables and the span check's word take (the first 256-byte aligned
+// inside a buffer of any alignment, hence 256 bytes of slack); 0 without segment ids.
 inline int64_t segment_tiles_bytes(bool has_segment_ids, int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
                                    int q_rows, int k_rows) {
   if (!has_segment_ids) return 0;
   return 256 + segment_table_bytes(instances, segment_tile_count(seqlen_q, q_rows)) +
-         segment_table_bytes(instances, segment_tile_count(seqlen_k, k_rows));
+         segment_table_bytes(instances, segment_tile_count(seqlen_k, k_rows)) + 256;
 }
 
 }  // namespace jaxflash::gpu

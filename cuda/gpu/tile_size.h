@@ -73,6 +73,10 @@ namespace jaxflash::gpu {
 //            thread, so S shrinks to 32 (and P to 16); two stages of K and V at
 //            64 keys: (128 + 4 x 64) x 256 x 2 bytes = 192 KB. FlashAttention-3
 //            takes 80 keys there; wgmma_ss has N = 64 / 128 only.
+// A consumer warp's rows of O: its epilogue's share, and the box of its TMA stores
+// (forward.cu encodes o's descriptor with it).
+constexpr int kFwdSm90WarpRows = 16;
+
 constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
   return elem_bytes == 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }

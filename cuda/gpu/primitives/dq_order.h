@@ -53,21 +53,5 @@ __device__ __forceinline__ void bulk_store_f32(float* dst, const float* src, int
                : "memory");
 #endif
 }
-__device__ __forceinline__ void bulk_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
-}
-// Until this thread's bulk operations are complete, their writes visible to it.
-__device__ __forceinline__ void bulk_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
-}
-// Until this thread's bulk operations have read their shared-memory sources.
-__device__ __forceinline__ void bulk_wait_reads() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
-}
+
 }  // namespace jaxflash::gpu

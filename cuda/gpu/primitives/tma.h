@@ -93,7 +93,7 @@ struct Stage {
 };
 
 // One operand's TMA descriptor for the sm_90 kernels (tma_encode.h builds it on
-// the host; the forward's q, k, v, the backward's q and dO): a tensor of rank 2 + n,
+// the host; the forward's q, k, v and o, the backward's q and dO): a tensor of rank 2 + n,
 // dims (head dim, rows, then the n <= 3 instance axes with more than one element
 // and a nonzero stride). Boxes of 64 columns (128 bytes, the swizzle's width) by
 // a tile's rows. Tensor dim 2 + i of instance `linear` is at (linear /
@@ -160,6 +160,76 @@ __device__ __forceinline__ void tma_load_tile(const TmaOperand& op, const int (&
       case 3: tma_load<3>(&op.map, bar, dst, {col, row, inst[0]}); break;
       case 4: tma_load<4>(&op.map, bar, dst, {col, row, inst[0], inst[1]}); break;
       default: tma_load<5>(&op.map, bar, dst, {col, row, inst[0], inst[1], inst[2]}); break;
+    }
+  }
+}
+
+// A thread's bulk async-group (the TMA stores, dq_order.h's bulk reductions): the operations
+// it issued since the last commit form one group, and the waits are for its groups.
+__device__ __forceinline__ void bulk_commit() {
+#if JF_SM90_ASYNC
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Until this thread's bulk operations are complete, their writes visible to it.
+__device__ __forceinline__ void bulk_wait_all() {
+#if JF_SM90_ASYNC
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+// Until this thread's bulk operations have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_reads() {
+#if JF_SM90_ASYNC
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+
+// A TMA store of one box of `map` at element coordinates c (innermost first) from shared
+// memory at src, in this thread's bulk async-group (bulk_commit, then bulk_wait_reads
+// before src is written again). Elements outside the tensor are not written.
+template <int R>
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, const int (&c)[R]) {
+  static_assert(R >= 2 && R <= 5, "the ranks the maps have");
+#if JF_SM90_ASYNC
+  const uint64_t m = reinterpret_cast<uint64_t>(map);
+  const uint32_t s = smem_addr(src);
+  if constexpr (R == 2)
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(m), "r"(s),
+                 "r"(c[0]), "r"(c[1])
+                 : "memory");
+  else if constexpr (R == 3)
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(m),
+                 "r"(s), "r"(c[0]), "r"(c[1]), "r"(c[2])
+                 : "memory");
+  else if constexpr (R == 4)
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(m),
+                 "r"(s), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3])
+                 : "memory");
+  else
+    asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n" ::"l"(m),
+                 "r"(s), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4])
+                 : "memory");
+#else
+  (void)map, (void)src, (void)c;
+#endif
+}
+
+// tma_load_tile's inverse for a band of a tile's rows: rows [tile_row, + the map's box rows)
+// of a GmmaTile (tile_row a multiple of 8, so the band starts on a swizzle atom) to the rows
+// from `row` of instance `inst`, one box per 64-column block; rows and columns past the tensor
+// are not written.
+template <class Tile>
+__device__ __forceinline__ void tma_store_rows(const TmaOperand& op, const int (&inst)[3], const Tile& tile,
+                                               int tile_row, int row) {
+#pragma unroll
+  for (int b = 0; b < Tile::kCols / Tile::kBlockCols; ++b) {
+    const char* src = tile.ptr + b * Tile::kBlockBytes + tile_row * 128;
+    const int col = b * Tile::kBlockCols;
+    switch (op.rank) {
+      case 2: tma_store<2>(&op.map, src, {col, row}); break;
+      case 3: tma_store<3>(&op.map, src, {col, row, inst[0]}); break;
+      case 4: tma_store<4>(&op.map, src, {col, row, inst[0], inst[1]}); break;
+      default: tma_store<5>(&op.map, src, {col, row, inst[0], inst[1], inst[2]}); break;
     }
   }
 }
