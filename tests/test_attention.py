@@ -547,6 +547,42 @@ def test_large_attention_matches_reference(case: Case, backend, device):
   check_against_reference(case, backend, device)
 
 
+@pytest.mark.parametrize("documents", [1, 16])
+def test_packed_documents_of_a_16k_row_match_the_dense_mask(documents, backend, device):
+  """Segment ids over one 16k row, causal, 16 heads of 128: the CUDA backward takes its key tiles
+  in the order that the longest document's span allows, which the id tables' kernel checks on the
+  device (one document spans more rows than L2 keeps: ascending; sixteen of 1k: descending).
+  Both orders must give what the same packing gives as a dense mask (the general kernels, which
+  the reference checks above). GPU only: the CPU kernels have no such order, and the check runs
+  only on rows this long."""
+  if backend == "cpu":
+    pytest.skip("the CUDA backward's key order (the CPU kernels have none)")
+  B, T, H, D = 1, 16384, 16, 128
+  q, k, v, do = (jax.device_put(jax.random.normal(key, (B, T, H, D), jnp.bfloat16), device)
+                 for key in jax.random.split(jax.random.key(3), 4))
+  q_ids, kv_ids = jaxflash.segment_ids_from_lengths(jnp.full((B, documents), T // documents), T)
+  mask = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+
+  @jax.jit
+  def outputs_and_grads(q, k, v, do, q_ids, kv_ids, mask):
+    def attend(**logits):
+      call = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, **logits)
+      out, vjp = jax.vjp(call, q, k, v)
+      return (out, *vjp(do))
+    return (attend(query_segment_ids=q_ids, key_value_segment_ids=kv_ids), attend(mask=mask))
+
+  logits = jax.device_put((q_ids, kv_ids, mask), device)
+  with_ids, with_mask = outputs_and_grads(q, k, v, do, *logits)
+  for name, ours, dense in zip(("out", "dq", "dk", "dv"), with_ids, with_mask):
+    ours, dense = np.asarray(ours, np.float32), np.asarray(dense, np.float32)
+    # Two kernels' bf16 roundings apart: within two bf16 steps of the largest value (measured
+    # on the H200: 0.1-0.2 of it).
+    bound = 2 * 2.0**-7 * np.max(np.abs(dense))
+    err = np.max(np.abs(ours - dense))
+    assert err <= bound, (
+        f"{documents} documents, {name}: max|ids - dense mask| {err:.3g} > {bound:.3g}")
+
+
 def check_against_reference(case: Case, backend: str, device):
   """jaxflash's outputs and gradients for `case` on `backend` against the reference, with
   the baseline's error as the yardstick; the drop-in contract (shapes, dtypes, placement); and
