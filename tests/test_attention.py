@@ -516,7 +516,10 @@ def _large_cases():
 # its own rows cannot see (the top ones under causal masking, the bottom ones beyond a window's
 # left edge, with the query tile's other warpgroups computing them), and D = 128's 160-key tiles
 # from 2k keys, under windows whose edges cross tiles, bottom-right alignment (a diagonal that
-# does not fall on tile edges) and lengths (V's padding zeroed in the first key tile).
+# does not fall on tile edges) and lengths (V's padding zeroed in the first key tile). The score
+# modifiers' copies in those shapes: the soft-cap's and ALiBi's at D = 64 (three warpgroups),
+# ALiBi's 160-key tiles, and the segment ids' copy over 33 key tiles (more than one 32-tile
+# window of its walk), packed documents bounding each query tile's key span.
 SM90_GEOMETRY = (
     ("window_40_0", "bfloat16", 64, 700, 700, dict(window=(40, 0))),
     ("window_70_70", "float16", 64, 450, 450, dict(window=(70, 70))),
@@ -526,6 +529,13 @@ SM90_GEOMETRY = (
     ("causal_lengths", "float16", 64, 500, 500, dict(is_causal=True, batch=3, q_lengths=True,
                                                       kv_lengths=True)),
     ("window_200_0", "bfloat16", 128, 2100, 2100, dict(window=(200, 0))),
+    ("soft_cap_causal_window_100", "bfloat16", 64, 1000, 1000, dict(soft_cap=5.0, is_causal=True,
+                                                                    window=(100, 0))),
+    ("alibi_window_40_0", "float16", 64, 700, 700, dict(alibi="N", window=(40, 0))),
+    ("alibi_causal_lengths", "bfloat16", 128, 2100, 2100, dict(alibi="BN", is_causal=True,
+                                                                q_lengths=True, kv_lengths=True)),
+    ("segments_docs_causal", "bfloat16", 128, 4200, 4200, dict(segments="docs", is_causal=True)),
+    ("segments_short_docs", "float16", 128, 4200, 4200, dict(segments="short_docs")),
 )
 
 

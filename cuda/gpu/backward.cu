@@ -401,7 +401,7 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // 128) or the general variant's (BwdWorkspaceLayout sizes the tables for the latter, the
   // larger).
   if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, base + w.segments_off, rt.segments,
-                                        stream, max_q_span)) != cudaSuccess)
+                                        stream, false, max_q_span)) != cudaSuccess)
     return err;
 
   switch (p.dtype) {

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -49,25 +50,28 @@ auto with_sm90_head_dim(int64_t head_dim, F&& f) {
   return f(std::integral_constant<int, 256>{});
 }
 
-// Its tiles, and its shared memory, for the copy the launch picks (fwd_launch.h: kScoreMods
-// where fwd_score_mods, else 160-key tiles where `wide`).
-TileShape sm90_tiles(int64_t head_dim, bool score_mods, bool wide) {
-  return with_sm90_head_dim(head_dim, [&](auto d) {
-    auto shape = [](auto tiles) { return TileShape{decltype(tiles)::kBlockM, decltype(tiles)::kBlockN}; };
-    constexpr int D = decltype(d)::value;
-    if constexpr (D == 128) {
-      if (wide) return shape(FwdSm90TileSize<D, false, true>{});
-    }
-    return score_mods ? shape(FwdSm90TileSize<D, true>{}) : shape(FwdSm90TileSize<D, false>{});
-  });
-}
-int sm90_smem_bytes(int64_t head_dim, bool score_mods, bool wide) {
+// The shape of the copy the launch picks (fwd_launch.h: the score modifiers' copy `mods`, with
+// 160-key tiles where `wide`): its tiles, its shared memory, and whether O
+// leaves through a buffer of its own (kSeparateO: by TMA stores, so o needs a descriptor).
+struct Sm90Shape {
+  TileShape tiles;
+  int smem_bytes;
+  bool separate_o;
+};
+Sm90Shape sm90_shape(int64_t head_dim, FwdMods mods, bool wide) {
   return with_sm90_head_dim(head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
-    if constexpr (D == 128) {
-      if (wide) return fwd_sm90_smem_bytes<D, false, true>();
-    }
-    return score_mods ? fwd_sm90_smem_bytes<D, true>() : fwd_sm90_smem_bytes<D, false>();
+    return with_fwd_mods(mods, [&](auto m) {
+      constexpr FwdMods M = decltype(m)::value;
+      auto shape = [](auto tiles, int smem_bytes) {
+        using Tiles = decltype(tiles);
+        return Sm90Shape{{Tiles::kBlockM, Tiles::kBlockN}, smem_bytes, Tiles::kSeparateO};
+      };
+      if constexpr (fwd_sm90_has_wide_keys(D, M)) {
+        if (wide) return shape(FwdSm90TileSize<D, M, true>{}, fwd_sm90_smem_bytes<D, M, true>());
+      }
+      return shape(FwdSm90TileSize<D, M>{}, fwd_sm90_smem_bytes<D, M>());
+    });
   });
 }
 
@@ -84,15 +88,19 @@ cudaError_t choose_sm90(const AttentionParams& p, FwdRuntime& rt, int device) {
   if (const cudaError_t err = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
       err != cudaSuccess)
     return err;
-  const bool score_mods = fwd_score_mods(p, rt);
-  const bool wide = !score_mods && fwd_sm90_wide_keys(static_cast<int>(p.head_dim), p.seqlen_k);
-  if (sm90_smem_bytes(p.head_dim, score_mods, wide) > smem_limit) return cudaSuccess;
-  const TileShape tiles = sm90_tiles(p.head_dim, score_mods, wide);
+  const FwdMods mods = fwd_sm90_mods(p, rt);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const bool wide = fwd_sm90_has_wide_keys(head_dim, mods) && fwd_sm90_wide_keys(head_dim, p.seqlen_k);
+  const Sm90Shape shape = sm90_shape(p.head_dim, mods, wide);
+  if (shape.smem_bytes > smem_limit) return cudaSuccess;
   rt.sm90_wide_keys = wide;
-  rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, tiles.block_m) &&
-            encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, tiles.block_n) &&
-            encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, tiles.block_n) &&
-            (p.has(kOutputF32) || encode_tma_operand(rt.tma_o, p, p.o, p.seqlen_q, kFwdSm90WarpRows));
+  // (float32 O, kOutputF32, leaves from registers; without a buffer of its own O is copied
+  // out by the warps: no descriptor for o then.)
+  const bool tma_o = shape.separate_o && !p.has(kOutputF32);
+  rt.sm90 = encode_tma_operand(rt.tma_q, p, p.q, p.seqlen_q, shape.tiles.block_m) &&
+            encode_tma_operand(rt.tma_k, p, p.k, p.seqlen_k, shape.tiles.block_n) &&
+            encode_tma_operand(rt.tma_v, p, p.v, p.seqlen_k, shape.tiles.block_n) &&
+            (!tma_o || encode_tma_operand(rt.tma_o, p, p.o, p.seqlen_q, kFwdSm90WarpRows));
   return cudaSuccess;
 }
 
@@ -127,6 +135,46 @@ template <class T, F32Mma M = F32Mma::kTf32>
 cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   return with_padded_head_dim(p.head_dim,
                               [&](auto d) { return launch_forward_instance<T, decltype(d)::value, M>(p, rt, stream); });
+}
+
+// The query tiles' key spans (segment_tiles.h, for the sm_90 kernel's walk): one warp per
+// (instance, query tile), after both range tables (launch_segment_tile_ranges): the first and the last key tile
+// whose range meets the query tile's ({k_tiles, -1} when none), each a ballot over 32 key
+// tiles at a time from its end of the row, stopping at the first that meets.
+__global__ void __launch_bounds__(32 * kSegmentWarps)
+    segment_key_spans(int64_t instances, const IdRange* q_table, int64_t q_tiles, const IdRange* k_table,
+                      int64_t k_tiles, TileSpan* out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kSegmentWarps + threadIdx.x / 32;
+  if (w >= instances * q_tiles) return;
+  const int64_t linear = w / q_tiles;
+  const IdRange query = q_table[w];
+  const IdRange* keys = k_table + linear * k_tiles;
+  TileSpan span{static_cast<int32_t>(k_tiles), -1};
+  for (int64_t j = 0; j < k_tiles; j += 32) {
+    const unsigned met = __ballot_sync(0xffffffffu, j + lane < k_tiles && keys[j + lane].meets(query));
+    if (met != 0) {
+      span.lo = static_cast<int32_t>(j + __ffs(met) - 1);
+      break;
+    }
+  }
+  for (int64_t j = k_tiles - 1; j >= span.lo; j -= 32) {  // (none met: no pass)
+    const unsigned met = __ballot_sync(0xffffffffu, j - lane >= 0 && keys[j - lane].meets(query));
+    if (met != 0) {
+      span.hi = static_cast<int32_t>(j - (__ffs(met) - 1));
+      break;
+    }
+  }
+  if (lane == 0) out[w] = span;
+}
+
+cudaError_t launch_segment_key_spans(const AttentionParams& p, const SegmentTiles& tables, cudaStream_t stream) {
+  const int64_t blocks = (p.num_instances() * tables.q_tiles + kSegmentWarps - 1) / kSegmentWarps;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  segment_key_spans<<<static_cast<unsigned>(blocks), 32 * kSegmentWarps, 0, stream>>>(
+      p.num_instances(), tables.q, tables.q_tiles, tables.k, tables.k_tiles,
+      const_cast<TileSpan*>(tables.key_spans));  // (the forward's scratch; const to the kernels that read it)
+  return cudaGetLastError();
 }
 
 // The workspace: the persistent sm_90 kernel's tile counter (4 bytes at the first 4-byte
@@ -197,9 +245,11 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   if (err != cudaSuccess) return err;
   // The id ranges follow the tiles of the kernel that runs.
   const TileShape tiles =
-      rt.sm90 ? sm90_tiles(p.head_dim, fwd_score_mods(p, rt), rt.sm90_wide_keys) : general_tiles(p.head_dim, p.dtype);
-  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, segment_scratch, rt.segments, stream)) !=
-      cudaSuccess)
+      rt.sm90 ? sm90_shape(p.head_dim, fwd_sm90_mods(p, rt), rt.sm90_wide_keys).tiles
+              : general_tiles(p.head_dim, p.dtype);
+  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, segment_scratch, rt.segments, stream,
+                                        rt.sm90)) != cudaSuccess ||
+      (rt.segments.key_spans != nullptr && (err = launch_segment_key_spans(p, rt.segments, stream)) != cudaSuccess))
     return err;
 
 #ifdef JAXFLASH_FWD_TIMELINE

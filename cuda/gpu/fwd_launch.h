@@ -53,21 +53,34 @@ template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   if constexpr (fwd_sm90_covers(sizeof(T), D)) {
     if (rt.sm90) {  // forward.cu checked the conditions (fwd_sm90_case)
-      using ScoreMods = FwdSm90Config<T, D, false, true>;
-      if (fwd_score_mods(p, rt))
-        return launch_query_tiles<ScoreMods, true>(&forward_sm90_kernel<ScoreMods>, p, rt, stream);
-      // The plain or dropout copy, with 160-key tiles where forward.cu chose them.
-      auto launch = [&](auto wide) {
+      // The copy for the call's score modifiers (the plain or dropout copy without), with
+      // 160-key tiles where forward.cu chose them.
+      auto launch = [&](auto mods, auto wide) {
+        constexpr FwdMods kMods = decltype(mods)::value;
         constexpr bool kWide = decltype(wide)::value;
-        using Plain = FwdSm90Config<T, D, false, false, kWide>;
-        using Dropout = FwdSm90Config<T, D, true, false, kWide>;
-        return p.has(kDropout) ? launch_query_tiles<Dropout, true>(&forward_sm90_kernel<Dropout>, p, rt, stream)
-                               : launch_query_tiles<Plain, true>(&forward_sm90_kernel<Plain>, p, rt, stream);
+        if constexpr (kMods == FwdMods::kNone) {
+          using Plain = FwdSm90Config<T, D, false, kMods, kWide>;
+          using Dropout = FwdSm90Config<T, D, true, kMods, kWide>;
+          return p.has(kDropout) ? launch_query_tiles<Dropout, true>(&forward_sm90_kernel<Dropout>, p, rt, stream)
+                                 : launch_query_tiles<Plain, true>(&forward_sm90_kernel<Plain>, p, rt, stream);
+        } else {
+          using Mods = FwdSm90Config<T, D, false, kMods, kWide>;
+          // The scale inside the exp2, as the plain copy takes it: the soft-cap's copy leaves
+          // tanh(s scale / cap) as the scores and takes the cap there (FlashAttention-3 does
+          // so), ALiBi's and the segment ids' copies leave the raw q.k (ALiBi's term divided by
+          // the scale): one multiply per score fewer than folding the scale into the scores.
+          FwdRuntime mods_rt = rt;
+          if constexpr (kMods == FwdMods::kSoftCap) mods_rt.exp_scale = rt.softcap2;
+          if constexpr (kMods == FwdMods::kAlibi) mods_rt.exp_scale = rt.score_mul;
+          return launch_query_tiles<Mods, true>(&forward_sm90_kernel<Mods>, p, mods_rt, stream);
+        }
       };
-      if constexpr (D == 128) {
-        if (rt.sm90_wide_keys) return launch(std::true_type{});
-      }
-      return launch(std::false_type{});
+      return with_fwd_mods(fwd_sm90_mods(p, rt), [&](auto mods) {
+        if constexpr (fwd_sm90_has_wide_keys(D, decltype(mods)::value)) {
+          if (rt.sm90_wide_keys) return launch(mods, std::true_type{});
+        }
+        return launch(mods, std::false_type{});
+      });
     }
   }
   using Fast = FwdConfig<T, D, false, M>;

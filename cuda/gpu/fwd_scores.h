@@ -1,5 +1,5 @@
 // The forward's score step, shared by the mma.sync kernel (fwd_mainloop.h) and
-// the sm_90 one's kScoreMods copy (fwd_sm90_mainloop.h): from a warp's block of
+// the sm_90 one's general copy (fwd_sm90_mainloop.h): from a warp's block of
 // raw Q.K^T, the scores its softmax takes (primitives/score.h's steps in
 // params.h's order). Both kernels' accumulators hold a warp's rows in mma.sync's
 // m16 fragment layout, so one step serves both.
@@ -14,6 +14,16 @@
 #include "../params.h"
 
 namespace jaxflash::gpu {
+
+// The segment ids' per-element test over the warp's block of the score tile at (row0, n0):
+// a query sees a key only where their ids are equal.
+template <class T, int MF, int NF>
+__device__ __forceinline__ void segment_id_scores(float (&s)[MF][NF][4], const AttentionParams& p,
+                                                  const Positions& pos, const FwdOperands<T>& ops, int row0, int n0,
+                                                  int lane) {
+  const int64_t qs = p.q_segment_ids.row_stride, ks = p.kv_segment_ids.row_stride;
+  apply_segment_ids(s, ops.q_ids + row0 * qs, qs, ops.kv_ids + n0 * ks, ks, pos.q_len - row0, pos.kv_len - n0, lane);
+}
 
 // Scale, bias and masks of the warp's block of one score tile (see score.h).
 // The fast variant sees neither bias nor mask nor segment ids nor a folded
@@ -59,11 +69,7 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMF][Cfg::kNF][4], co
       if (view.col_stride == 1) apply_mask<true>(s, view, row0, n0, pos, lane);
       else apply_mask<false>(s, view, row0, n0, pos, lane);
     }
-    if (Cfg::kSegmentIds && segment_test) {
-      const int64_t qs = p.q_segment_ids.row_stride, ks = p.kv_segment_ids.row_stride;
-      apply_segment_ids(s, ops.q_ids + row0 * qs, qs, ops.kv_ids + n0 * ks, ks, pos.q_len - row0, pos.kv_len - n0,
-                        lane);
-    }
+    if (Cfg::kSegmentIds && segment_test) segment_id_scores(s, p, pos, ops, row0, n0, lane);
   }
 }
 

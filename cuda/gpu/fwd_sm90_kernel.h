@@ -69,34 +69,42 @@
 namespace jaxflash::gpu {
 
 // kDropout: a copy of the kernel with attention dropout, so that the copy
-// without keeps its registers. kScoreMods: a copy that rewrites the scores
-// before the softmax as the mma.sync general variant does (fwd_mainloop.h's
-// score_tile): a folded scale (a scale operand, scale <= 0), the soft-cap,
-// ALiBi, and segment ids, whose key tiles that cannot meet the query tile it
-// skips (fwd_sm90_mainloop.h's KeyTileWalk); not with dropout (forward.cu).
-// kWideKeys: 160-key tiles (tile_size.h), for long keys at D = 128.
-template <class T_, int D, bool kDropout_, bool kScoreMods_ = false, bool kWideKeys = false>
+// without keeps its registers. kMods: the copies that rewrite the scores before
+// the softmax (tile_size.h's FwdMods): the soft-cap's, ALiBi's and the segment
+// ids' alone, and the general one, which runs the mma.sync general variant's
+// score step (fwd_scores.h's score_tile) over any mix of them and a folded scale
+// (a scale operand, scale <= 0). The copies with segment ids skip the key tiles
+// that cannot meet the query tile (fwd_sm90_mainloop.h's KeyTileWalk). Not with
+// dropout (forward.cu). kWideKeys: 160-key tiles (tile_size.h), for long keys
+// at D = 128.
+template <class T_, int D, bool kDropout_, FwdMods kMods_ = FwdMods::kNone, bool kWideKeys = false>
 struct FwdSm90Config {
   using T = T_;
   static_assert(fwd_sm90_covers(sizeof(T), D), "see tile_size.h");
   static constexpr int kHeadDim = D;
   static constexpr bool kDropout = kDropout_;
-  static constexpr bool kScoreMods = kScoreMods_;
-  static_assert(!(kDropout && kScoreMods), "one copy or the other");
+  static constexpr FwdMods kMods = kMods_;
+  static_assert(!(kDropout && kMods != FwdMods::kNone), "one copy or the other");
   static constexpr F32Mma kF32Mma = F32Mma::kTf32;  // (16-bit only: no float32 products)
   using State = SoftmaxState<1>;  // with each row's largest score (softmax_finalize)
-  // What score_tile (fwd_scores.h) does over a warp's m16 x BLOCK_N block of S: in the
-  // kScoreMods copy its general steps and the segment ids' test; never a bias or a mask
-  // (fwd_sm90_case), whose code would only cost registers.
-  static constexpr bool kGeneral = kScoreMods, kSegmentIds = kScoreMods, kBiasMask = false;
-  static constexpr int kBlockM = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kBlockM;
-  static constexpr int kBlockN = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kBlockN;
-  static constexpr int kStages = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kStages;
-  static constexpr bool kPingPong = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kPingPong;
-  static constexpr bool kSkipUnseen = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSkipUnseen;
-  static constexpr bool kSplitMaskLoops = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSplitMaskLoops;
-  static constexpr bool kSeparateO = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kSeparateO;
-  static constexpr int kTileSlots = FwdSm90TileSize<D, kScoreMods, kWideKeys>::kTileSlots;
+  // What score_tile (fwd_scores.h) does over a warp's m16 x BLOCK_N block of S: in the general
+  // copy its general steps and the segment ids' test; never a bias or a mask (fwd_sm90_case),
+  // whose code would only cost registers. The other copies take their own steps
+  // (fwd_sm90_mainloop.h's score_step).
+  static constexpr bool kGeneral = kMods == FwdMods::kGeneral, kBiasMask = false;
+  static constexpr bool kSegmentIds = kGeneral || kMods == FwdMods::kSegmentIds;
+  // The copies that fold the scale into their step and so may run with a scale operand.
+  static constexpr bool kScaleOperand = kGeneral || kMods == FwdMods::kSoftCap;
+  static constexpr bool kAlibi = kGeneral || kMods == FwdMods::kAlibi;
+  using Tiles = FwdSm90TileSize<D, kMods, kWideKeys>;
+  static constexpr int kBlockM = Tiles::kBlockM;
+  static constexpr int kBlockN = Tiles::kBlockN;
+  static constexpr int kStages = Tiles::kStages;
+  static constexpr bool kPingPong = Tiles::kPingPong;
+  static constexpr bool kSkipUnseen = Tiles::kSkipUnseen;
+  static constexpr bool kSplitMaskLoops = Tiles::kSplitMaskLoops;
+  static constexpr bool kSeparateO = Tiles::kSeparateO;
+  static constexpr int kTileSlots = Tiles::kTileSlots;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -113,7 +121,7 @@ struct FwdSm90Config {
   using QTile = GmmaTile<T, kBlockM, D>;  // Q, and O on its way out
   using KTile = GmmaTile<T, kBlockN, D>;  // K and V
   static constexpr int kSmemBytes = FwdSm90Smem<FwdSm90Config>::kBytes;
-  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kScoreMods, kWideKeys>(), "tile_size.h sizes the same layout");
+  static_assert(kSmemBytes == fwd_sm90_smem_bytes<D, kMods, kWideKeys>(), "tile_size.h sizes the same layout");
   // The shape the epilogue (fwd_epilogue.h) sees: the consumer warps, one m16
   // fragment of rows each.
   static constexpr int kWarpRows = kFwdSm90WarpRows, kMF = 1, kDF = D / 8, kNF = kBlockN / 8;
@@ -155,8 +163,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // Taken now and used after the tile's loads, which hide the atomic's latency.
         int next = leader ? next_persistent_tile(rt) : 0;
         const FwdTile tile = forward_tile<BM>(p, rt, index);
-        const KeyTileWalk<Cfg> walk = key_tiles(tile, instance_bounds(p, tile.linear));
-        forward_sm90_produce<Cfg>(rt, sm, walk, tile.linear, tile.m0, walk.start(), n, kv);
+        KeyTileWalk<Cfg> walk = key_tiles(tile, instance_bounds(p, tile.linear));
+        const int top = walk.start();
+        forward_sm90_produce<Cfg>(rt, sm, walk, tile.linear, tile.m0, top, n, kv);
         if constexpr (Cfg::kSegmentIds) next = __shfl_sync(0xffffffffu, next, 0);
         index = next;
       }
@@ -183,7 +192,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const FwdTile tile = forward_tile<BM>(p, rt, index);
     const InstanceBounds bounds = instance_bounds(p, tile.linear);
     const Positions pos(p, bounds);
-    const KeyTileWalk<Cfg> walk = key_tiles(tile, bounds);
+    KeyTileWalk<Cfg> walk = key_tiles(tile, bounds);
     // No visible key for any row (or all rows padding), or no key tile that shares an id
     // with them: nothing is loaded, and the epilogue alone writes O = 0 and lse = -inf.
     const int top = walk.start();
@@ -204,13 +213,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const InstanceIndex inst(p, tile.linear);
         FwdOperands<T> ops{};
         if constexpr (Cfg::kDropout) ops.seed = inst.origin<const uint32_t>(p, p.seed);
-        if constexpr (Cfg::kScoreMods) {
+        if constexpr (Cfg::kSegmentIds) {
           if (p.has(kHasSegmentIds)) {
             ops.q_ids = inst.origin<const int32_t>(p, p.q_segment_ids);
             ops.kv_ids = inst.origin<const int32_t>(p, p.kv_segment_ids);
           }
-          ops.alibi2 = 1.4426950408889634f * alibi_slope(p, tile.linear);
         }
+        // ALiBi's slope in the units of the scores the softmax takes, s exp_scale base-2 logits
+        // (the general copy's: exp_scale 1; ALiBi's copy: raw q.k, exp_scale = score_mul).
+        if constexpr (Cfg::kAlibi) ops.alibi2 = kLog2e * alibi_slope(p, tile.linear) / crt.exp_scale;
         const int wg = warpgroup - 1;
         if (tile.m0 + 64 * wg < pos.q_len) {
 #ifdef JAXFLASH_FWD_TIMELINE
@@ -276,9 +287,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         mbar_arrive_if(sm.q_empty(), lane == 0);
       }
     };
-    // A scale operand runs the kScoreMods copy only: the others read the launch's runtime in
-    // place (a copy of it cost the dropout copy spills).
-    if constexpr (Cfg::kScoreMods) consume(with_scale_operand(p, rt, tile.linear));
+    // A scale operand runs the copies that fold the scale only: the others read the launch's
+    // runtime in place (a copy of it cost the dropout copy spills).
+    if constexpr (Cfg::kScaleOperand) consume(with_scale_operand(p, rt, tile.linear));
     else consume(rt);
   }
 #else

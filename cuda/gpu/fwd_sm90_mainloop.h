@@ -24,7 +24,7 @@
 // so one's softmax runs while the other's products do.
 //
 // The producer and every consumer walk the same key tiles (KeyTileWalk): all
-// of the visible range, or with segment ids (the kScoreMods copy) only the
+// of the visible range, or with segment ids (the copies that take them) only the
 // tiles whose id range may meet the query tile's, so that packed documents
 // cost what separate rows do.
 #pragma once
@@ -52,16 +52,24 @@ namespace jaxflash::gpu {
 // with segment ids only those whose id range may meet the query tile's
 // (segment_tiles.h; the tables hold this kernel's tiles, forward.cu). A tile
 // is named by its first key n0; visits(n0) is false past the last one. With
-// segment ids a whole warp, converged, steps (start, next): it tests 32 tiles
-// at a time, one per lane, so that a document's last tile is not followed by
-// a serial scan of every earlier document's tiles (causal packing: the visible
-// range reaches back to the row's first key).
+// segment ids a whole warp, converged, steps (start, next): it reads a window of
+// 32 tiles at once, one per lane, into two ballots (which tiles may meet the
+// query tile, which need the per-element test) and steps through them in
+// registers, so that a round reads no table (reading the tables each round put
+// two dependent loads in every round's critical path) and a document's last
+// tile is not followed by a serial scan of every earlier document's tiles
+// (causal packing: the visible range reaches back to the row's first key; the
+// key spans, which bound the walk to the tiles between the first and the last
+// that meet the query tile, remove the scan altogether for sorted ids).
 template <class Cfg>
 struct KeyTileWalk {
   static constexpr int BN = Cfg::kBlockN;
   const SegmentTiles& segments;
   int linear;  // the instance (32 bits: fwd_schedule.h)
   int q_tile, first, last, lane;
+  // With segment ids: the window's top tile (lane l read tile window_top - l BN) and its bits.
+  int window_top;
+  unsigned meets = 0, tests = 0;
 
   __device__ __forceinline__ KeyTileWalk(const SegmentTiles& segments, int linear, int m0, const KeyRange& keys,
                                          int lane)
@@ -71,25 +79,43 @@ struct KeyTileWalk {
         first(static_cast<int>(keys.lo) / BN * BN),
         // (empty key ranges: last < first, nothing visited)
         last(keys.lo < keys.hi ? static_cast<int>(keys.hi - 1) / BN * BN : first - BN),
-        lane(lane) {}
+        lane(lane) {
+    // With segment ids, only the key tiles between the first and the last that meet the query
+    // tile's ids (segment_tiles.h's key spans; none: last < first).
+    if (Cfg::kSegmentIds && segments.key_spans != nullptr) {
+      const TileSpan span = segments.key_spans[linear * segments.q_tiles + q_tile];
+      first = max(first, span.lo * BN);
+      last = min(last, span.hi * BN);
+    }
+    window_top = first - BN;  // (below every tile: the first step reads a window)
+  }
 
   __device__ __forceinline__ bool visits(int n0) const { return n0 >= first; }
-  // The first tile, and the one after n0.
-  __device__ __forceinline__ int start() const { return Cfg::kSegmentIds ? meeting_from(last) : last; }
-  __device__ __forceinline__ int next(int n0) const { return Cfg::kSegmentIds ? meeting_from(n0 - BN) : n0 - BN; }
+  // The first tile, and the one after n0 (the walk's last step).
+  __device__ __forceinline__ int start() { return Cfg::kSegmentIds ? meeting_from(last) : last; }
+  __device__ __forceinline__ int next(int n0) { return Cfg::kSegmentIds ? meeting_from(n0 - BN) : n0 - BN; }
+  // Whether tile n0, the walk's last step, needs the per-element id test (not one id on both
+  // sides). (Its window is the one read for that step.)
+  __device__ __forceinline__ bool needs_id_test(int n0) const {
+    return Cfg::kSegmentIds && (tests >> ((window_top - n0) / BN) & 1u);
+  }
+
+ private:
   // The first tile from n0 down whose ids may meet the query tile's; < first when none.
-  __device__ __forceinline__ int meeting_from(int n0) const {
-    for (; visits(n0); n0 -= 32 * BN) {
-      const int mine = n0 - lane * BN;
-      const unsigned meeting =
-          __ballot_sync(0xffffffffu, visits(mine) && segments.may_meet(linear, q_tile, mine / BN));
-      if (meeting != 0) return n0 - (__ffs(meeting) - 1) * BN;
+  __device__ __forceinline__ int meeting_from(int n0) {
+    for (; visits(n0); n0 = window_top - 32 * BN) {
+      if (n0 > window_top || n0 <= window_top - 32 * BN) read_window(n0);
+      const unsigned ahead = meets & (~0u << ((window_top - n0) / BN));
+      if (ahead != 0) return window_top - (__ffs(ahead) - 1) * BN;
     }
     return first - BN;
   }
-  // Whether the tile needs the per-element id test (not one id on both sides).
-  __device__ __forceinline__ bool needs_id_test(int n0) const {
-    return Cfg::kSegmentIds && segments.needs_test(linear, q_tile, n0 / BN);
+  __device__ __forceinline__ void read_window(int top) {
+    window_top = top;
+    const int mine = top - lane * BN;
+    const bool in = visits(mine);
+    meets = __ballot_sync(0xffffffffu, in && segments.may_meet(linear, q_tile, mine / BN));
+    tests = __ballot_sync(0xffffffffu, in && segments.needs_test(linear, q_tile, mine / BN));
   }
 };
 
@@ -197,7 +223,7 @@ struct FwdSm90Smem {
 // so that its count stays the tile count on both sides.
 template <class Cfg>
 __device__ __forceinline__ void forward_sm90_produce(const FwdRuntime& rt, const FwdSm90Smem<Cfg>& sm,
-                                                     const KeyTileWalk<Cfg>& walk, int linear, int m0, int top,
+                                                     KeyTileWalk<Cfg>& walk, int linear, int m0, int top,
                                                      uint32_t n, uint32_t& kv) {
   constexpr int S = Cfg::kStages;
   const bool leader = walk.lane == 0;
@@ -246,12 +272,12 @@ __device__ __forceinline__ void forward_sm90_produce(const FwdRuntime& rt, const
 // query tile: on return o holds its rows' unnormalised output and st their softmax
 // state. The first key tile is the kv-th of the CTA's life; kv ends past the last. ops: the
 // instance's dropout seed words (Cfg::kDropout), or the score modifiers' operands
-// (Cfg::kScoreMods: segment ids, ALiBi's slope). Rounds 0 and n are peeled off, so
+// (the copies with modifiers: segment ids, ALiBi's slope). Rounds 0 and n are peeled off, so
 // that no product is issued under a condition.
 template <class Cfg>
 __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, const FwdRuntime& rt,
                                                      const Positions& pos, const FwdSm90Smem<Cfg>& sm,
-                                                     const KeyTileWalk<Cfg>& walk,
+                                                     KeyTileWalk<Cfg>& walk,
                                                      const FwdOperands<typename Cfg::T>& ops, int m0, int top,
                                                      Acc<Cfg::kHeadDim>& o, typename Cfg::State& st, int wg, int tid,
                                                      uint32_t n, uint32_t& kv, FwdStamps& stamps) {
@@ -276,6 +302,9 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   Acc<BN> s;
   uint32_t pa[BN / 16][4];  // P of the previous round, the A operand of O += P V
   float alpha[2];  // the rows' rescaling factors of the last softmax
+  // The soft-cap copy's factor inside the tanh (its launcher set exp_scale to the cap: tile
+  // scores are tanh(s scale / cap)); in the copy's base-2 units as score.h's soft_cap_scores.
+  const float cap_mul = Cfg::kMods == FwdMods::kSoftCap ? rt.score_mul / rt.softcap2 : 0.f;
   // Dropout: the lane's two row keys, hashed once for all key tiles.
   const DropoutKey dropout = Cfg::kDropout ? make_dropout_key(p, ops.seed) : DropoutKey{};
   const FragRowKeys<1> dropout_rows(dropout, Cfg::kDropout ? warp_row0 : 0, lane);
@@ -322,12 +351,18 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   auto softmax = [&](int i, int n0, auto mask_step) {
     hold_acc(s);
     mbar_arrive_if(sm.k_empty(Stage<S>(kv + i).index), lane == 0);
-    if constexpr (Cfg::kScoreMods) {
+    if constexpr (Cfg::kGeneral) {
       score_tile<Cfg>(s, p, rt, pos, ops, warp_row0, n0, full.contain(n0), walk.needs_id_test(n0), lane);
-    } else if constexpr (decltype(mask_step)::value == kMaskAlways) {
-      mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
-    } else if constexpr (decltype(mask_step)::value == kMaskTest) {
-      if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+    } else {  // the plain and dropout copies, and one modifier's: its step, then the masks
+      if constexpr (Cfg::kMods == FwdMods::kSoftCap) tanh_scores<T>(s, cap_mul);
+      if constexpr (Cfg::kMods == FwdMods::kAlibi) alibi_scores(s, warp_row0 + pos.offset - n0, 1.f, ops.alibi2, lane);
+      if constexpr (decltype(mask_step)::value == kMaskAlways) {
+        mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+      } else if constexpr (decltype(mask_step)::value == kMaskTest) {
+        if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
+      }
+      if constexpr (Cfg::kMods == FwdMods::kSegmentIds)
+        if (walk.needs_id_test(n0)) segment_id_scores(s, p, pos, ops, warp_row0, n0, lane);
     }
     softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
     // After the softmax's sums: dropout changes what reaches O, not the normaliser.
@@ -460,7 +495,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
 // Its arrivals may come before the computing warpgroups' do: each follows its wait
 // for the stage's phase, which is the one the producer counts them towards.
 template <class Cfg>
-__device__ __forceinline__ void forward_sm90_pass(const FwdSm90Smem<Cfg>& sm, const KeyTileWalk<Cfg>& walk,
+__device__ __forceinline__ void forward_sm90_pass(const FwdSm90Smem<Cfg>& sm, KeyTileWalk<Cfg>& walk,
                                                   int top, int wg, int lane, uint32_t n, uint32_t& kv) {
   constexpr int S = Cfg::kStages;
   auto pass_k = [&](int i) {

@@ -6,6 +6,7 @@
 #include <cuda.h>  // CUtensorMap
 
 #include <cstdint>
+#include <type_traits>
 
 #include "primitives/ptx.h"
 #include "primitives/smem_tile.h"
@@ -135,6 +136,33 @@ __device__ __forceinline__ FwdRuntime with_scale_operand(const AttentionParams& 
 // ALiBi) or segment ids.
 inline bool fwd_score_mods(const AttentionParams& p, const FwdRuntime& rt) {
   return rt.fold_scale || p.has(kHasSegmentIds);
+}
+
+// The sm_90 forward's copy for the call's score modifiers (tile_size.h's FwdMods), given
+// fwd_sm90_case. The soft-cap's copy folds any scale (a traced one, one <= 0) into its tanh's
+// argument; ALiBi's and the segment ids' copies take a scale > 0 inside the exp2, as the plain
+// copy does, so with a scale that must be folded they run in the general copy.
+inline FwdMods fwd_sm90_mods(const AttentionParams& p, const FwdRuntime& rt) {
+  const bool capped = rt.softcap2 > 0.f, alibi = p.has(kHasAlibi), ids = p.has(kHasSegmentIds);
+  const bool scale_in_exp2 = !p.has(kScaleOperand) && p.scale > 0.f;
+  if (!fwd_score_mods(p, rt)) return FwdMods::kNone;
+  if (capped && !alibi && !ids) return FwdMods::kSoftCap;
+  if (alibi && !capped && !ids && scale_in_exp2) return FwdMods::kAlibi;
+  if (ids && !capped && !alibi && scale_in_exp2) return FwdMods::kSegmentIds;
+  return FwdMods::kGeneral;
+}
+
+// Calls f(std::integral_constant<FwdMods, M>{}) for the copy `mods` and returns its result: the
+// copy's shape (forward.cu) and its launch (fwd_launch.h) name it alike.
+template <class F>
+auto with_fwd_mods(FwdMods mods, F&& f) {
+  switch (mods) {
+    case FwdMods::kSoftCap: return f(std::integral_constant<FwdMods, FwdMods::kSoftCap>{});
+    case FwdMods::kAlibi: return f(std::integral_constant<FwdMods, FwdMods::kAlibi>{});
+    case FwdMods::kSegmentIds: return f(std::integral_constant<FwdMods, FwdMods::kSegmentIds>{});
+    case FwdMods::kGeneral: return f(std::integral_constant<FwdMods, FwdMods::kGeneral>{});
+    default: return f(std::integral_constant<FwdMods, FwdMods::kNone>{});
+  }
 }
 
 // The fast variants' conditions that hold for any head dim: no bias, mask or

@@ -60,26 +60,27 @@ __global__ void __launch_bounds__(32 * kSegmentWarps)
   }
 }
 
-// Fills both tables in `scratch` (segment_tiles_bytes(...) bytes) for tiles of q_rows
-// queries and k_rows keys, on `stream`, and points `tiles` at them; without segment ids
-// leaves `tiles` null and launches nothing. max_q_span >= 0: also the span check above, whose
-// word `tiles.span_exceeded` points at.
+// Fills both range tables in `scratch` (segment_tiles_bytes(...) bytes) for tiles of q_rows
+// queries and k_rows keys, on `stream`, and points `tiles` at them; without segment ids leaves
+// `tiles` null and launches nothing. key_spans: also points `tiles` at the query tiles' key
+// spans' table, which the forward fills (forward.cu's segment_key_spans).
+// max_q_span >= 0: also the span check above, whose word `tiles.span_exceeded` points at.
 inline cudaError_t launch_segment_tile_ranges(const AttentionParams& p, int q_rows, int k_rows, void* scratch,
-                                              SegmentTiles& tiles, cudaStream_t stream, int64_t max_q_span = -1) {
+                                              SegmentTiles& tiles, cudaStream_t stream, bool key_spans,
+                                              int64_t max_q_span = -1) {
   tiles = SegmentTiles{};
   if (!p.has(kHasSegmentIds) || p.seqlen_q == 0 || p.seqlen_k == 0) return cudaSuccess;
   if (scratch == nullptr || p.q_segment_ids.data == nullptr || p.kv_segment_ids.data == nullptr)
     return cudaErrorInvalidValue;
   const int64_t instances = p.num_instances();
-  tiles.q_tiles = segment_tile_count(p.seqlen_q, q_rows);
-  tiles.k_tiles = segment_tile_count(p.seqlen_k, k_rows);
+  const SegmentTablesLayout layout(instances, p.seqlen_q, p.seqlen_k, q_rows, k_rows);
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 255) / 256 * 256);
   IdRange* q = reinterpret_cast<IdRange*>(base);
-  IdRange* k = reinterpret_cast<IdRange*>(base + segment_table_bytes(instances, tiles.q_tiles));
-  int* span_exceeded = max_q_span < 0 ? nullptr
-                                      : reinterpret_cast<int*>(base + segment_table_bytes(instances, tiles.q_tiles) +
-                                                               segment_table_bytes(instances, tiles.k_tiles));
-  tiles.q = q, tiles.k = k, tiles.span_exceeded = span_exceeded;
+  IdRange* k = reinterpret_cast<IdRange*>(base + layout.k_off);
+  TileSpan* spans = key_spans ? reinterpret_cast<TileSpan*>(base + layout.spans_off) : nullptr;
+  int* span_exceeded = max_q_span < 0 ? nullptr : reinterpret_cast<int*>(base + layout.word_off);
+  tiles.q = q, tiles.k = k, tiles.key_spans = spans, tiles.span_exceeded = span_exceeded;
+  tiles.q_tiles = layout.q_tiles, tiles.k_tiles = layout.k_tiles;
   const int64_t q_blocks = (instances * tiles.q_tiles + kSegmentWarps - 1) / kSegmentWarps;
   const int64_t k_blocks = (instances * tiles.k_tiles + kSegmentWarps - 1) / kSegmentWarps;
   if (q_blocks > INT_MAX || k_blocks > INT_MAX) return cudaErrorInvalidConfiguration;

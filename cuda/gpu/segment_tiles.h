@@ -14,11 +14,20 @@
 
 namespace jaxflash::gpu {
 
+// A span of key tiles [lo, hi] (empty where lo > hi).
+struct TileSpan {
+  int32_t lo, hi;
+};
+
 // The tables: [instance][tile] for each side; null without segment ids.
 struct SegmentTiles {
   const IdRange* q = nullptr;
   const IdRange* k = nullptr;
   int64_t q_tiles = 0, k_tiles = 0;
+  // [instance][query tile]: the first and last key tile whose range meets the query tile's
+  // (the forward's walk, which then scans no tile outside them: under causal packing the
+  // visible range reaches back to the row's first key); null where not asked for.
+  const TileSpan* key_spans = nullptr;
   // The backward's key order check (launch_segment_tile_ranges): nonzero where some key tile
   // meets query tiles further apart than the launcher's limit; null where nothing was checked.
   const int* span_exceeded = nullptr;
@@ -66,19 +75,32 @@ struct SegmentTiles {
 // The tiles of `rows` rows that cover `length` positions.
 inline int64_t segment_tile_count(int64_t length, int rows) { return (length + rows - 1) / rows; }
 
-// The bytes one table of `tiles` tiles per instance takes, rounded up to 256 so that the next
-// table starts 256-byte aligned (launch_segment_tile_ranges lays them out so).
-inline int64_t segment_table_bytes(int64_t instances, int64_t tiles) {
-  return (instances * tiles * int64_t{sizeof(IdRange)} + 255) / 256 * 256;
+// The bytes one table of `tiles` entries of `entry` bytes per instance takes, rounded up to 256
+// so that the next table starts 256-byte aligned.
+inline int64_t segment_table_bytes(int64_t instances, int64_t tiles, int64_t entry = sizeof(IdRange)) {
+  return (instances * tiles * entry + 255) / 256 * 256;
 }
 
-// The scratch the two tables and the span check's word take (the first 256-byte aligned
-// inside a buffer of any alignment, hence 256 bytes of slack); 0 without segment ids.
+// Where the tables lie in the scratch, from its first 256-byte aligned byte: the query and key
+// tiles' ranges, the query tiles' key spans, and the backward's span check word.
+struct SegmentTablesLayout {
+  int64_t q_tiles, k_tiles;
+  int64_t k_off, spans_off, word_off, end;
+  SegmentTablesLayout(int64_t instances, int64_t seqlen_q, int64_t seqlen_k, int q_rows, int k_rows)
+      : q_tiles(segment_tile_count(seqlen_q, q_rows)), k_tiles(segment_tile_count(seqlen_k, k_rows)) {
+    k_off = segment_table_bytes(instances, q_tiles);
+    spans_off = k_off + segment_table_bytes(instances, k_tiles);
+    word_off = spans_off + segment_table_bytes(instances, q_tiles, sizeof(TileSpan));
+    end = word_off + 256;
+  }
+};
+
+// The scratch the tables take (the first 256-byte aligned inside a buffer of any alignment,
+// hence 256 bytes of slack); 0 without segment ids.
 inline int64_t segment_tiles_bytes(bool has_segment_ids, int64_t instances, int64_t seqlen_q, int64_t seqlen_k,
                                    int q_rows, int k_rows) {
   if (!has_segment_ids) return 0;
-  return 256 + segment_table_bytes(instances, segment_tile_count(seqlen_q, q_rows)) +
-         segment_table_bytes(instances, segment_tile_count(seqlen_k, k_rows)) + 256;
+  return 256 + SegmentTablesLayout(instances, seqlen_q, seqlen_k, q_rows, k_rows).end;
 }
 
 }  // namespace jaxflash::gpu

@@ -77,6 +77,15 @@ namespace jaxflash::gpu {
 // (forward.cu encodes o's descriptor with it).
 constexpr int kFwdSm90WarpRows = 16;
 
+// The sm_90 forward's copies by score modifier (FwdSm90Config::kMods; fwd_launch.h picks by
+// kernel_traits.h's fwd_sm90_mods): none (the plain and dropout copies), a copy for each
+// modifier alone, which applies it unconditionally, and the general copy, which tests each
+// modifier at run time and takes any mix of them and a traced or non-positive scale. One copy
+// for all (as first written) carried every modifier's code in its round loop: 2565 SASS
+// instructions against the plain copy's 928, and with only a traced scale it ran at 0.78-0.86
+// of the plain copy (H200, bf16, session 16).
+enum class FwdMods { kNone, kSoftCap, kAlibi, kSegmentIds, kGeneral };
+
 constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
   return elem_bytes == 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
@@ -84,6 +93,15 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
 // Whether the plain or dropout copy at D = 128 takes 160-key tiles (above): where
 // the rounds it needs, at BLOCK_N + 52 keys' work each, cost less than 128-key
 // ones (N = 1k: 7 x 212 > 8 x 180, no; 2k and longer, yes).
+// The copies that have a 160-key shape (kWideKeys): at D = 128 the plain and dropout copies and
+// ALiBi's. ALiBi's against its 128-key shape (H200, bf16, 4 rounds of jaxflash.bench's measure,
+// ratio to the plain copy in one process, 2026-11-29): N = 4k 0.934 / 0.889, causal 0.910 /
+// 0.863, 16k 0.858 / 0.803, 1k (which keeps 128) 0.925 / 0.909; the soft-cap's measured no gain
+// (4k 0.796 / 0.805, causal 0.775 / 0.796, 16k 0.751 / 0.749: its SFU work, not the rounds,
+// sets its pace) and keeps 128 keys.
+constexpr bool fwd_sm90_has_wide_keys(int head_dim, FwdMods mods) {
+  return head_dim == 128 && (mods == FwdMods::kNone || mods == FwdMods::kAlibi);
+}
 constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
   auto rounds_cost = [&](long long block_n) { return (seqlen_k + block_n - 1) / block_n * (block_n + 52); };
   return head_dim == 128 && rounds_cost(160) < rounds_cost(128);
@@ -100,7 +118,7 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // atomic counter, so the next tile's Q and K / V load while the current one
 // finishes. O stages through a buffer of its own (kSeparateO), so that Q is free
 // once the tile's last S product is done: D = 128 160 + 32 KB, D = 64 88 + 24 KB
-// (the kScoreMods copy 80 + 16). At D = 256 Q, K and V take 192 KB and another
+// (the copies of two consumers 80 + 16). At D = 256 Q, K and V take 192 KB and another
 // 64 KB would pass the 227 KB a CTA may have: O reuses Q's buffer there, and the
 // next Q loads only after the epilogue (the next tile's first K before it).
 // Measured against a CTA per tile (H100, bf16): N = 1k 1.16-1.26x at D = 64 /
@@ -108,9 +126,11 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // of the tiles (branch sm90-persistent-2): 0.82-1.05 of the non-persistent grid
 // on the H100, behind under causal masking (docs/DESIGN.md's known gaps).
 //
-// The copy with score modifiers (kScoreMods: soft-cap, ALiBi, segment ids, a
-// folded scale) at D = 64 takes D = 128's shape: at 160 registers its
-// consumers spilled 724 / 792 bytes (stored / loaded), at 240 none.
+// The score modifiers' copies (FwdMods) at D = 64: the soft-cap's takes the plain copy's
+// three consumers (ptxas bf16 spill stores / loads, whole kernel: 76 / 84 against the plain
+// copy's 52 / 60); the others take D = 128's shape, two consumers of 240 registers, since at
+// 160 they spilled: ALiBi's 172 / 256, the segment ids' 1432 / 1588, the general copy's
+// 724 / 792 (at 240 none in their round loops).
 //
 // D = 64's main loop (fwd_sm90_mainloop.h), both measured together (H200, bf16, kernel
 // alone against main, 2 alternating rounds, 2026-11-28): 1.11x at N = 1k causal, 1.03x at 4k
@@ -125,28 +145,27 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // Not at D = 128 / 256, where the same code measured 0.98-0.99x (256: 0.97-0.99x): their
 // 64-row warpgroups over 128-key (64 at D = 256) tiles leave little unseen, and at D = 256
 // the split loops spilled more (52 / 60 -> 88 / 128), at D = 128 with wide keys and dropout
-// too (92 / 100 -> 136 / 280). Nor in the score modifiers' copy, whose score step tests per
-// tile anyway.
-template <int D, bool kScoreMods = false, bool kWideKeys = false>
+// too (92 / 100 -> 136 / 280). In the copies of three consumers only (above).
+template <int D, FwdMods kMods = FwdMods::kNone, bool kWideKeys = false>
 struct FwdSm90TileSize {
-  static_assert(!kWideKeys || (D == 128 && !kScoreMods), "measured at D = 128, plain and dropout copies");
-  static constexpr bool kThreeConsumers = D == 64 && !kScoreMods;
+  static_assert(!kWideKeys || fwd_sm90_has_wide_keys(D, kMods), "see fwd_sm90_has_wide_keys");
+  static constexpr bool kThreeConsumers = D == 64 && (kMods == FwdMods::kNone || kMods == FwdMods::kSoftCap || kMods == FwdMods::kAlibi);
   static constexpr int kBlockM = kThreeConsumers ? 192 : 128;
   static constexpr int kBlockN = D == 256 ? 64 : kWideKeys ? 160 : 128;
   static constexpr int kStages = 2;
   static constexpr bool kPingPong = !kThreeConsumers;  // two consumers take turns
   static constexpr bool kSeparateO = D != 256;  // O's own staging buffer (above)
   static constexpr int kTileSlots = 2;  // tiles the producer may hand over ahead of the consumers
-  static constexpr bool kSkipUnseen = kThreeConsumers;      // (above: D = 64, not kScoreMods)
+  static constexpr bool kSkipUnseen = kThreeConsumers;      // (above: D = 64)
   static constexpr bool kSplitMaskLoops = kThreeConsumers;
 };
 
 // Its shared memory: Q, O where kSeparateO, kStages K and V tiles, the mbarriers
 // (Q's two, the tile slots' two each, four per stage), the tile slots, and 1 KB
 // to align the base to the swizzle's 1024-byte atom (fwd_sm90_mainloop.h).
-template <int D, bool kScoreMods = false, bool kWideKeys = false>
+template <int D, FwdMods kMods = FwdMods::kNone, bool kWideKeys = false>
 constexpr int fwd_sm90_smem_bytes() {
-  using Tiles = FwdSm90TileSize<D, kScoreMods, kWideKeys>;
+  using Tiles = FwdSm90TileSize<D, kMods, kWideKeys>;
   return (Tiles::kBlockM * (Tiles::kSeparateO ? 2 : 1) + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 +
          (2 + 2 * Tiles::kTileSlots + 4 * Tiles::kStages) * 8 + Tiles::kTileSlots * 4 + 1024;
 }

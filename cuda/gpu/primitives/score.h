@@ -33,18 +33,25 @@ __device__ __forceinline__ void scale_scores(float (&s)[MF][NF][4], float mul) {
       for (int i = 0; i < 4; ++i) s[mf][nf][i] *= mul;
 }
 
-// The logit soft-cap (params.h) in the scores' base-2 units: s <- c tanh(s mul / c),
-// c = log2 e * cap, so that mul (scale * log2 e) turns raw Q.K^T into base-2 logits
-// first; T: the inputs' type (soft_cap_tanh).
+// s <- tanh(s mul), T: the inputs' type (soft_cap_tanh): the soft-cap's tanh, whose factor c
+// (below) the caller applies, or takes into the exp2's scale (the sm_90 soft-cap copy).
 template <class T, int MF, int NF>
-__device__ __forceinline__ void soft_cap_scores(float (&s)[MF][NF][4], float mul, float cap2) {
-  const float in_mul = mul / cap2;
+__device__ __forceinline__ void tanh_scores(float (&s)[MF][NF][4], float mul) {
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[mf][nf][i] = cap2 * soft_cap_tanh<T>(s[mf][nf][i] * in_mul);
+      for (int i = 0; i < 4; ++i) s[mf][nf][i] = soft_cap_tanh<T>(s[mf][nf][i] * mul);
+}
+
+// The logit soft-cap (params.h) in the scores' base-2 units: s <- c tanh(s mul / c),
+// c = log2 e * cap, so that mul (scale * log2 e) turns raw Q.K^T into base-2 logits
+// first; T: the inputs' type (soft_cap_tanh).
+template <class T, int MF, int NF>
+__device__ __forceinline__ void soft_cap_scores(float (&s)[MF][NF][4], float mul, float cap2) {
+  tanh_scores<T>(s, mul / cap2);
+  scale_scores(s, cap2);
 }
 
 // Calls f(mf, nf, i, inside, ptr) for each score element of the warp's block,
