@@ -532,7 +532,7 @@ SM90_GEOMETRY = (
     ("soft_cap_causal_window_100", "bfloat16", 64, 1000, 1000, dict(soft_cap=5.0, is_causal=True,
                                                                     window=(100, 0))),
     ("alibi_window_40_0", "float16", 64, 700, 700, dict(alibi="N", window=(40, 0))),
-    ("alibi_causal_lengths", "bfloat16", 128, 2100, 2100, dict(alibi="BN", is_causal=True,
+    ("alibi_causal_lengths", "bfloat16", 128, 2100, 2100, dict(alibi="BN", is_causal=True, batch=3,
                                                                 q_lengths=True, kv_lengths=True)),
     ("segments_docs_causal", "bfloat16", 128, 4200, 4200, dict(segments="docs", is_causal=True)),
     ("segments_short_docs", "float16", 128, 4200, 4200, dict(segments="short_docs")),
