@@ -294,8 +294,10 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
   const bool zero_v = pos.kv_len < pad_end;
   // Warpgroup 0 zeroes them; the warpgroups that read V (those whose rows start before the
   // query length: forward_sm90_pass reads none) meet it at a barrier of their own threads.
-  // (With the idle ones in it too, as first written, the barrier's threads reached it from two
-  // functions' instructions, which compute-sanitizer's synccheck reports as divergent.)
+  // They reach it from whichever round is their first to read V (with kSplitMaskLoops a
+  // warpgroup whose first tile is masked and one whose first tile is whole are in different
+  // loops), so it is the unaligned barrier: with bar.sync, compute-sanitizer's synccheck
+  // reported divergent threads (D = 64 ALiBi, bottom-right causal with lengths).
   const int v_readers = 128 * min(Cfg::kConsumerThreads / 128, (pos.q_len - m0 + 63) / 64);
 
   const GmmaOperand<typename Cfg::QTile, false> q_op(sm.q(), 64 * wg);
@@ -322,7 +324,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
         zero_rows(sm.v(st.index), pos.kv_len - top, pad_end - top, tid, 128);
         fence_proxy_async_shared();  // the zeros, before the tensor cores read them
       }
-      named_sync(kZeroVBarrier, v_readers);
+      named_sync_unaligned(kZeroVBarrier, v_readers);
     }
   };
   // With kPingPong a warpgroup issues only in its turn and then hands the
@@ -364,7 +366,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       if constexpr (Cfg::kMods == FwdMods::kSegmentIds)
         if (walk.needs_id_test(n0)) segment_id_scores(s, p, pos, ops, warp_row0, n0, lane);
     }
-    softmax_update(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
+    softmax_update<Cfg::kExp2PolyEvery>(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
     // After the softmax's sums: dropout changes what reaches O, not the normaliser.
     if constexpr (Cfg::kDropout) drop_probabilities(s, dropout, dropout_rows, n0, lane);
   };

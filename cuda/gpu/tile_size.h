@@ -146,6 +146,15 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // 64-row warpgroups over 128-key (64 at D = 256) tiles leave little unseen, and at D = 256
 // the split loops spilled more (52 / 60 -> 88 / 128), at D = 128 with wide keys and dropout
 // too (92 / 100 -> 136 / 280). In the copies of three consumers only (above).
+// The soft-cap's copy takes every 4th n-fragment's exp2 on the FMA pipe (kExp2PolyEvery,
+// softmax.h's poly_exp2): each of its scores has a tanh and an exp2 on the SFU, which at D = 128
+// is as long as the score's two products on the tensor cores, so a warpgroup's softmax outlasts
+// the other's products. Against all on the SFU (H200, bf16, ratio to the plain copy in one
+// process, 2026-11-29): D = 128 N = 4k 0.800 -> 0.835, causal 0.812 -> 0.830, 16k 0.771 ->
+// 0.812, 1k 0.864 -> 0.865; D = 64 (4k, causal, 16k, 1k) 0.69 / 0.72 / 0.67 / 0.77 -> 0.70 /
+// 0.71 / 0.69 / 0.78 (ptxas bf16 spills 76 / 84 -> 92 / 172). On the plain copy at D = 64 the
+// same share lost (0.925-0.954, BENCHMARKS.md, branch fwd-exp2-poly): one exp2 per score leaves
+// the SFU the idler pipe there.
 template <int D, FwdMods kMods = FwdMods::kNone, bool kWideKeys = false>
 struct FwdSm90TileSize {
   static_assert(!kWideKeys || fwd_sm90_has_wide_keys(D, kMods), "see fwd_sm90_has_wide_keys");
@@ -158,6 +167,7 @@ struct FwdSm90TileSize {
   static constexpr int kTileSlots = 2;  // tiles the producer may hand over ahead of the consumers
   static constexpr bool kSkipUnseen = kThreeConsumers;      // (above: D = 64)
   static constexpr bool kSplitMaskLoops = kThreeConsumers;
+  static constexpr int kExp2PolyEvery = kMods == FwdMods::kSoftCap ? 4 : 0;  // (above)
 };
 
 // Its shared memory: Q, O where kSeparateO, kStages K and V tiles, the mbarriers

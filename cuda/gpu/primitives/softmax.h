@@ -46,6 +46,26 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// 2^x on the FMA pipe, for a share of the softmax's scores where the SFU is the busier pipe (the
+// sm_90 forward's soft-cap copy: each score's exp2 and tanh, tile_size.h's kExp2PolyEvery). x = j + f with
+// j = round(x) and f in [-0.5, 0.5]: 2^f by a cubic (fitted for the least maximal relative error
+// on [-0.5, 0.5], 7.5e-5 in float32, below the half ulp of the 16-bit P it feeds: 2.4e-4 for
+// fp16, 2e-3 for bf16), 2^j from its exponent bits. Adding 1.5 * 2^23 + 127 puts j + 127 in the
+// sum's low mantissa bits (round to nearest; __fadd_rn, so that the compiler cannot fold the add
+// and its subtraction away), and shifting them by 23 makes 2^j's float. Scores below -126
+// (masked ones: -inf) give +0, as ex2 does; NaN gives NaN (through f). x <= 127 (the softmax's
+// offsets keep it <= its p_shift).
+__device__ __forceinline__ float poly_exp2(float x) {
+  constexpr float kShifter = 12582912.f + 127.f;  // 1.5 * 2^23 + the exponent bias
+  const float t = __fadd_rn(x, kShifter);
+  const float f = __fsub_rn(x, __fsub_rn(t, kShifter));
+  float p = fmaf(0.0551716648f, f, 0.242611125f);
+  p = fmaf(p, f, 0.693260968f);
+  p = fmaf(p, f, 0.999928057f);
+  const float two_j = __int_as_float(__float_as_int(t) << 23);
+  return x < -126.f ? 0.f : p * two_j;
+}
+
 // Folds one tile of scores into the state: s becomes P = exp2(s * exp_scale -
 // offset), the sums move to the new offset, and rescale(mf, h, alpha) gets
 // each row's factor from the old offset to the new one, which O has to take:
@@ -53,8 +73,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 // product with the previous P is done. exp_scale > 0 (the launcher guarantees
 // it), so the max of s is the max of the scaled scores. P carries the factor
 // 2^-p_shift (FwdRuntime: it keeps the sum of P.V finite); the sums carry it
-// too, and softmax_finalize takes it out of lse.
-template <int MF, int NF, class State, class Rescale>
+// too, and softmax_finalize takes it out of lse. kPolyEvery > 0: every
+// kPolyEvery-th n-fragment's scores take poly_exp2 (the FMA pipe) instead of the SFU.
+template <int kPolyEvery = 0, int MF, int NF, class State, class Rescale>
 __device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], State& st, float exp_scale,
                                                float p_shift, Rescale&& rescale) {
 #pragma unroll
@@ -78,7 +99,8 @@ __device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], State& st,
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[mf][nf][2 * h + c];
-          x = fast_exp2(fmaf(x, exp_scale, -p_offset));  // one FFMA + one MUFU per score
+          const float e = fmaf(x, exp_scale, -p_offset);  // one FFMA + one MUFU per score
+          x = kPolyEvery > 0 && nf % kPolyEvery == kPolyEvery - 1 ? poly_exp2(e) : fast_exp2(e);
           sum += x;
         }
       }

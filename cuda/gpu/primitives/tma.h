@@ -272,6 +272,12 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same barrier for threads that may reach it from different instructions (barrier.sync
+// without .aligned): bar.sync is .aligned, which asks every thread that takes part to execute
+// the same instruction (compute-sanitizer's synccheck reports "divergent threads" otherwise).
+__device__ __forceinline__ void named_sync_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
