@@ -90,7 +90,7 @@ struct FwdSm90Config {
   // What score_tile (fwd_scores.h) does over a warp's m16 x BLOCK_N block of S: in the general
   // copy its general steps and the segment ids' test; never a bias or a mask (fwd_sm90_case),
   // whose code would only cost registers. The other copies take their own steps
-  // (fwd_sm90_mainloop.h's score_step).
+  // (fwd_sm90_mainloop.h, the consumer's softmax step).
   static constexpr bool kGeneral = kMods == FwdMods::kGeneral, kBiasMask = false;
   static constexpr bool kSegmentIds = kGeneral || kMods == FwdMods::kSegmentIds;
   // The copies that fold the scale into their step and so may run with a scale operand.

@@ -90,18 +90,18 @@ constexpr bool fwd_sm90_covers(int elem_bytes, int head_dim) {
   return elem_bytes == 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
-// Whether the plain or dropout copy at D = 128 takes 160-key tiles (above): where
-// the rounds it needs, at BLOCK_N + 52 keys' work each, cost less than 128-key
-// ones (N = 1k: 7 x 212 > 8 x 180, no; 2k and longer, yes).
 // The copies that have a 160-key shape (kWideKeys): at D = 128 the plain and dropout copies and
-// ALiBi's. ALiBi's against its 128-key shape (H200, bf16, 4 rounds of jaxflash.bench's measure,
-// ratio to the plain copy in one process, 2026-11-29): N = 4k 0.934 / 0.889, causal 0.910 /
-// 0.863, 16k 0.858 / 0.803, 1k (which keeps 128) 0.925 / 0.909; the soft-cap's measured no gain
-// (4k 0.796 / 0.805, causal 0.775 / 0.796, 16k 0.751 / 0.749: its SFU work, not the rounds,
-// sets its pace) and keeps 128 keys.
+// ALiBi's. ALiBi's against its 128-key shape (H200, bf16, jaxflash.bench's measure, ratio to
+// the plain copy in one process, best of 2 rounds at 4k, 2026-11-29): N = 4k 0.934 / 0.889,
+// causal 0.910 / 0.863, 16k 0.858 / 0.803, 1k (which keeps 128) 0.925 / 0.909; the soft-cap's
+// measured no gain (4k 0.796 / 0.805, causal 0.775 / 0.796, 16k 0.751 / 0.749: its SFU work,
+// not the rounds, sets its pace) and keeps 128 keys.
 constexpr bool fwd_sm90_has_wide_keys(int head_dim, FwdMods mods) {
   return head_dim == 128 && (mods == FwdMods::kNone || mods == FwdMods::kAlibi);
 }
+// Whether a copy that has them takes 160-key tiles (D = 128, above): where
+// the rounds it needs, at BLOCK_N + 52 keys' work each, cost less than 128-key
+// ones (N = 1k: 7 x 212 > 8 x 180, no; 2k and longer, yes).
 constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
   auto rounds_cost = [&](long long block_n) { return (seqlen_k + block_n - 1) / block_n * (block_n + 52); };
   return head_dim == 128 && rounds_cost(160) < rounds_cost(128);
@@ -126,11 +126,12 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // of the tiles (branch sm90-persistent-2): 0.82-1.05 of the non-persistent grid
 // on the H100, behind under causal masking (docs/DESIGN.md's known gaps).
 //
-// The score modifiers' copies (FwdMods) at D = 64: the soft-cap's takes the plain copy's
-// three consumers (ptxas bf16 spill stores / loads, whole kernel: 76 / 84 against the plain
-// copy's 52 / 60); the others take D = 128's shape, two consumers of 240 registers, since at
-// 160 they spilled: ALiBi's 172 / 256, the segment ids' 1432 / 1588, the general copy's
-// 724 / 792 (at 240 none in their round loops).
+// The score modifiers' copies (FwdMods) at D = 64: the soft-cap's and ALiBi's take the plain
+// copy's three consumers (ptxas bf16 spill stores / loads, whole kernel: 92 / 172 and 172 / 256
+// against the plain copy's 52 / 60; ALiBi's forward went 0.59 -> 0.80 of the plain copy's at
+// N = 4k); the segment ids' and the general copy take D = 128's shape, two consumers of 240
+// registers, since at 160 they spilled 1432 / 1588 and 724 / 792 (at 240 none in their round
+// loops).
 //
 // D = 64's main loop (fwd_sm90_mainloop.h), both measured together (H200, bf16, kernel
 // alone against main, 2 alternating rounds, 2026-11-28): 1.11x at N = 1k causal, 1.03x at 4k

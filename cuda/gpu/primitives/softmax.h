@@ -46,9 +46,9 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// 2^x on the FMA pipe, for a share of the softmax's scores where the SFU is the busier pipe (the
-// sm_90 forward's soft-cap copy: each score's exp2 and tanh, tile_size.h's kExp2PolyEvery). x = j + f with
-// j = round(x) and f in [-0.5, 0.5]: 2^f by a cubic (fitted for the least maximal relative error
+// 2^x on the FMA pipe, for a share of the softmax's scores where the SFU is the busier pipe
+// (the sm_90 forward's soft-cap copy: each score's exp2 and tanh, tile_size.h's
+// kExp2PolyEvery). x = j + f with j = round(x) and f in [-0.5, 0.5]: 2^f by a cubic (fitted for the least maximal relative error
 // on [-0.5, 0.5], 7.5e-5 in float32, below the half ulp of the 16-bit P it feeds: 2.4e-4 for
 // fp16, 2e-3 for bf16), 2^j from its exponent bits. Adding 1.5 * 2^23 + 127 puts j + 127 in the
 // sum's low mantissa bits (round to nearest; __fadd_rn, so that the compiler cannot fold the add
@@ -100,7 +100,8 @@ __device__ __forceinline__ void softmax_update(float (&s)[MF][NF][4], State& st,
         for (int c = 0; c < 2; ++c) {
           float& x = s[mf][nf][2 * h + c];
           const float e = fmaf(x, exp_scale, -p_offset);  // one FFMA + one MUFU per score
-          x = kPolyEvery > 0 && nf % kPolyEvery == kPolyEvery - 1 ? poly_exp2(e) : fast_exp2(e);
+          if constexpr (kPolyEvery > 0) x = nf % kPolyEvery == kPolyEvery - 1 ? poly_exp2(e) : fast_exp2(e);
+          else x = fast_exp2(e);
           sum += x;
         }
       }
