@@ -78,15 +78,21 @@ __device__ __forceinline__ KeyTileTicket take_key_tile(const BwdRuntime& rt, int
 // that add are the range the band lets meet the Q tile, under segment ids
 // (`ids`) only those whose id ranges meet its (SegmentTiles, a ballot: every lane
 // of the warp calls), in the order of the tickets (take_key_tile).
+// The key tiles [lo, hi) that add to Q tile i before key tile `key_tile` (without segment ids,
+// all of them): the range key_tile_turn counts.
+template <int BM, int BN>
+__device__ __forceinline__ KeyRange key_tiles_before(const AttentionParams& p, const BwdRuntime& rt,
+                                                     const InstanceBounds& b, int64_t i, int64_t key_tile) {
+  const KeyRange keys = visible_keys(p, b, i * BM, i * BM + BM);
+  return keys_descend(rt) ? KeyRange{key_tile + 1, (keys.hi + BN - 1) / BN} : KeyRange{keys.lo / BN, key_tile};
+}
 template <int BM, int BN>
 __device__ __forceinline__ int key_tile_turn(const AttentionParams& p, const BwdRuntime& rt,
                                              const InstanceBounds& b, int64_t linear, int64_t i,
                                              int64_t key_tile, bool ids, int lane) {
-  const KeyRange keys = visible_keys(p, b, i * BM, i * BM + BM);
-  const bool descend = keys_descend(rt);
-  const int64_t lo = descend ? key_tile + 1 : keys.lo / BN;
-  const int64_t hi = descend ? (keys.hi + BN - 1) / BN : key_tile;
-  return ids ? rt.segments.meeting_key_tiles(linear, i, lo, hi, lane) : static_cast<int>(hi - lo);
+  const KeyRange before = key_tiles_before<BM, BN>(p, rt, b, i, key_tile);
+  return ids ? rt.segments.meeting_key_tiles(linear, i, before.lo, before.hi, lane)
+             : static_cast<int>(before.hi - before.lo);
 }
 
 // The K / V rows now in shared memory.

@@ -59,11 +59,11 @@
 // of their own: on the H100 those were ~30% of the consumer warps' stall
 // samples (D = 128, N = 4k) when the warps did it themselves. The stage is
 // double buffered (mbarriers full / empty); the warpgroup gives its registers
-// to the consumers (setmaxnreg), as the forward's producer does. The writer
-// walks the consumers' Q tiles itself, except in the copy for the score
-// modifiers, where the consumers name each staged tile and its turn (DqTurn):
-// under segment ids they skip tiles, and so the writer adds exactly the tiles
-// they computed without a loop of its own to agree with theirs.
+// to the consumers (setmaxnreg), as the forward's producer does. A writer
+// walks the consumers' Q tiles itself, except in the segment-id copy, where the
+// consumers name each staged tile and its turn (DqTurn, from the producer's
+// QTilePlan): they skip tiles, and so the writers add exactly the tiles they
+// computed without a loop of their own to agree with theirs.
 //
 // The score modifiers (BwdSm90Config::kScoreMods; params.h's order: soft-cap,
 // then ALiBi and the masks), on the transposed accumulator, keys as rows:
@@ -111,9 +111,10 @@ namespace jaxflash::gpu {
 // kScoreMods: a copy with the soft-cap and ALiBi, run-time values picking
 // which apply, so that the plain copy keeps its registers (the soft-cap's slopes
 // alone are 32 per thread). Not with dropout: backward.cu runs that combination
-// on the mma.sync general kernel. kSegmentIds (with kScoreMods): segment ids too,
-// whose machinery (the Q tiles skipped by ballots, the key rows' ids, the turns
-// named to the writer) a call without ids does not pay for.
+// on the mma.sync general kernel. kSegmentIds: segment ids, alone or with
+// kScoreMods, whose machinery (the Q tiles skipped by the producer's plan, the key
+// rows' ids, the turns named to the writers) a call without ids does not pay for,
+// and packed documents without a soft-cap or ALiBi not the registers of those.
 template <class T_, int D, bool kDropout_, bool kScoreMods_ = false, bool kSegmentIds_ = false>
 struct BwdSm90Config {
   using T = T_;
@@ -123,7 +124,6 @@ struct BwdSm90Config {
   static constexpr bool kScoreMods = kScoreMods_;
   static constexpr bool kSegmentIds = kSegmentIds_;
   static_assert(!(kDropout && kScoreMods), "dropout with score modifiers runs the mma.sync kernel");
-  static_assert(kScoreMods || !kSegmentIds, "segment ids run in the score-mods copy");
   static constexpr int kBlockM = bwd_sm90_block_m(D), kBlockN = kBwdSm90BlockN;
   static constexpr int kConsumerThreads = 256;  // two warpgroups
   static constexpr int kThreads = 128 + kConsumerThreads;  // and the producer's and dQ writer's
@@ -131,9 +131,8 @@ struct BwdSm90Config {
   // dQ writers: one per dQ stage, so that a tile's reduction completes and its turn is
   // signalled while the other stage's tile goes out (a turn's reduction takes ~1.7 us to its
   // release, against ~2.9 us for a Q tile's products at D = 128: one writer was busy ~77% of
-  // the time and held the consumers back once they got faster). One in the segment-id copy,
-  // whose end-of-item marks go through the stages in turn.
-  static constexpr int kDqWriters = kSegmentIds ? 1 : 2;
+  // the time and held the consumers back once they got faster).
+  static constexpr int kDqWriters = 2;
   // Registers per thread after setmaxnreg (primitives/tma.h's balance): the
   // producer's and writer's warpgroup keeps 24 (no fewer: a producer at too few
   // hung the H100 in the forward), the consumers get 240.
@@ -160,7 +159,8 @@ struct BwdSm90Config {
   // the queries' segment ids), the two dQ stages, their mbarriers (full 0, 1,
   // empty 0, 1), their DqTurns, then the loads' mbarriers and item slots
   // (QTileStages: the Q-tile stages' full 0, 1, empty 0, 1, K / V's full and
-  // empty, the item slots' full 0, 1 and empty 0, 1, then the two slots).
+  // empty, the item slots' full 0, 1 and empty 0, 1, then the two slots and the
+  // stages' two QTilePlans).
   static constexpr int kKOff = 4 * QTile::kBytes, kVOff = kKOff + KTile::kBytes, kDsOff = kVOff + KTile::kBytes;
   static constexpr int kStatsOff = kDsOff + kDsStages * DsTile::kBytes;
   static constexpr int kRowWordsOff = kStatsOff + 4 * kBlockM * 4;
@@ -169,7 +169,7 @@ struct BwdSm90Config {
   static constexpr int kDqBarsOff = kDqStageOff + 2 * kDqTileFloats * 4;
   static constexpr int kDqTurnsOff = kDqBarsOff + 4 * 8;
   static constexpr int kLoadBarsOff = kDqTurnsOff + 2 * 16;
-  static constexpr int kSmemBytes = kLoadBarsOff + 10 * 8 + 2 * 16 + 1024;
+  static constexpr int kSmemBytes = kLoadBarsOff + 10 * 8 + 2 * 16 + 2 * 16 + 1024;
   static_assert(kSmemBytes == bwd_sm90_smem_bytes(D), "bwd_tile_size.h sizes the same layout");
 };
 
@@ -217,52 +217,58 @@ struct DqTurn {
   int target;
 };
 
-// The writer's loop over one item: the staged tiles in the consumers' order, each
-// added in its turn (bwd_dq.h: add_dq_tile) on the tile's first semaphore. In the
-// kSegmentIds copy, whose consumers skip Q tiles by segment ids, they name each
-// tile and its turn (DqTurn) until the item's end mark; the other copies' writer
-// walks the consumers' instances and Q tiles itself and forms the turns from the
-// visible range: with the named turns the plain copy measured 0.94-0.96 of
-// this at D = 128, N >= 4k (H100, kernel alone). n: the tiles staged over the
-// CTA's life (the stage and its phase).
-// With two writers (Cfg::kDqWriters), writer w takes the tiles staged in stage w, those of
-// even or odd n, and walks past the others. times: the timeline's sums for the item
-// (add_dq_tile; nullptr: not stamped).
+// Adds the staged tile of `stage` to its accumulator tile in its turn (bwd_dq.h: add_dq_tile,
+// on the tile's first semaphore) and frees the stage. times: the timeline's sums (nullptr: not
+// stamped).
+template <class Cfg>
+__device__ __forceinline__ void add_staged_dq(const BwdRuntime& rt, const Stage<2>& stage, int64_t tile, int target,
+                                              const float* stages, uint64_t* empty, unsigned long long* times) {
+  constexpr int BM = Cfg::kBlockM, kTileFloats = Cfg::kDqTileFloats;
+  add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
+              rt.sems + tile * Cfg::kDq.warps, target, empty + stage.index, times);
+}
+
+// A writer's loop over one item (Cfg::kDqWriters: writer w takes the tiles staged in stage w,
+// those of even or odd n, and walks past the others): the consumers' instances and Q tiles,
+// each tile's turn formed from the visible range. (With the turns named by the consumers, as
+// the segment-id copy's, the plain copy measured 0.94-0.96 of this at D = 128, N >= 4k: H100,
+// kernel alone.) n: the tiles staged over the CTA's life (the stage and its phase).
 template <class Cfg>
 __device__ __forceinline__ void write_dq_tiles(const AttentionParams& p, const BwdRuntime& rt, int64_t kept,
-                                               int64_t key_tile, const float* stages, const DqTurn* turns,
-                                               uint64_t* full, uint64_t* empty, uint32_t& n, int writer,
-                                               unsigned long long* times) {
-  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, kTileFloats = Cfg::kDqTileFloats;
-  auto add = [&](const Stage<2>& stage, int64_t tile, int target) {
-    add_dq_tile(rt.dq_acc + tile * BM * rt.d_pad, stages + stage.index * kTileFloats, kTileFloats * 4,
-                rt.sems + tile * Cfg::kDq.warps, target, empty + stage.index, times);
-  };
-  if constexpr (Cfg::kSegmentIds) {
+                                               int64_t key_tile, const float* stages, uint64_t* full,
+                                               uint64_t* empty, uint32_t& n, int writer, unsigned long long* times) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
 #pragma unroll 1
-    for (;; ++n) {
+  for (int64_t r = 0; r < rt.kv_reduced; ++r) {
+    const GroupInstance g = group_instance<BM, BN, false>(p, rt, kept, r, key_tile, 0);
+#pragma unroll 1
+    for (int64_t i = g.first; i <= g.last; ++i, ++n) {
       const Stage<2> stage(n);
+      if (stage.index != writer) continue;
       mbar_wait(full + stage.index, stage.parity);
-      const DqTurn turn = turns[stage.index];
-      if (turn.tile < 0) {  // the item's end mark: its stage is free at once
-        mbar_arrive_if(empty + stage.index, true);
-        ++n;
-        break;
-      }
-      add(stage, turn.tile, turn.target);
+      add_staged_dq<Cfg>(rt, stage, g.linear * rt.q_tiles + i,
+                         key_tile_turn<BM, BN>(p, rt, g.b, g.linear, i, key_tile, false, 0), stages, empty, times);
     }
-  } else {
+  }
+}
+
+// The segment-id copy's writer w over the CTA's life: the tiles of stage w, each named with its
+// turn by the consumers (DqTurn), who skip Q tiles by segment ids, so that the writer adds exactly
+// the tiles they computed without a walk of its own to agree with theirs; no items, so no item
+// boundaries: the consumers end with a mark in each stage. times: as add_staged_dq's, over the
+// CTA's life.
+template <class Cfg>
+__device__ __forceinline__ void write_named_dq_tiles(const BwdRuntime& rt, const float* stages, const DqTurn* turns,
+                                                     uint64_t* full, uint64_t* empty, int writer,
+                                                     unsigned long long* times) {
+  static_assert(Cfg::kDqWriters == 2, "a writer per dQ stage");
 #pragma unroll 1
-    for (int64_t r = 0; r < rt.kv_reduced; ++r) {
-      const GroupInstance g = group_instance<BM, BN, false>(p, rt, kept, r, key_tile, 0);
-#pragma unroll 1
-      for (int64_t i = g.first; i <= g.last; ++i, ++n) {
-        const Stage<2> stage(n);
-        if (Cfg::kDqWriters == 2 && stage.index != writer) continue;
-        mbar_wait(full + stage.index, stage.parity);
-        add(stage, g.linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, g.b, g.linear, i, key_tile, false, 0));
-      }
-    }
+  for (uint32_t n = writer;; n += 2) {
+    const Stage<2> stage(n);
+    mbar_wait(full + stage.index, stage.parity);
+    const DqTurn turn = turns[stage.index];
+    if (turn.tile < 0) return;  // the end mark (the consumers hand over nothing after it)
+    add_staged_dq<Cfg>(rt, stage, turn.tile, turn.target, stages, empty, times);
   }
 }
 
@@ -344,19 +350,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       produce<Cfg>(p, rt, stages, threadIdx.x);
     } else if (threadIdx.x % 32 == 0 && warp <= Cfg::kDqWriters) {
       const int writer = warp - 1;
-      uint32_t n = 0;  // dQ tiles staged over the CTA's life
+      unsigned long long times[3] = {};  // this writer's sums (none outside the timeline build)
+      auto stamp = [&] {  // every writer adds its sums; the last one's end is kept
+        JF_TIMELINE_MAX_NOW(rt, kTlWriterDone);
+        JF_TIMELINE_ADD(rt, kTlWriterSpin, times[0]);
+        JF_TIMELINE_ADD(rt, kTlWriterAdd, times[1]);
+        JF_TIMELINE_ADD(rt, kTlWriterTiles, times[2]);
+      };
+      if constexpr (kIds) {  // (the timeline's sums: over the CTA's life)
+        write_named_dq_tiles<Cfg>(rt, dq_stages, dq_turns, dq_full, dq_empty, writer, kTlEnabled ? times : nullptr);
+        stamp();
+      } else {
+        uint32_t n = 0;  // dQ tiles staged over the CTA's life
 #pragma unroll 1
-      for (uint32_t item = 0;; ++item) {
-        const KeyTileTicket t = stages.receive_item(item);
-        if (t.kept < 0) break;
-        unsigned long long times[3] = {};  // this writer's sums (none outside the timeline build)
-        write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_turns, dq_full, dq_empty, n, writer,
-                            kTlEnabled && item == kTlItem ? times : nullptr);
-        if (item == kTlItem) {  // every writer adds its sums; the last one's end is kept
-          JF_TIMELINE_MAX_NOW(rt, kTlWriterDone);
-          JF_TIMELINE_ADD(rt, kTlWriterSpin, times[0]);
-          JF_TIMELINE_ADD(rt, kTlWriterAdd, times[1]);
-          JF_TIMELINE_ADD(rt, kTlWriterTiles, times[2]);
+        for (uint32_t item = 0;; ++item) {
+          const KeyTileTicket t = stages.receive_item(item);
+          if (t.kept < 0) break;
+          write_dq_tiles<Cfg>(p, rt, t.kept, t.key_tile, dq_stages, dq_full, dq_empty, n, writer,
+                              kTlEnabled && item == kTlItem ? times : nullptr);
+          if (item == kTlItem) stamp();
         }
       }
     }
@@ -386,7 +398,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Counts over the CTA's life, which name the stages and their phases: Q tiles visited,
   // tiles handed to the writer, K / V loads.
   uint32_t q_tile_n = 0, dq_turn = 0, kv_loads = 0;
-  // Hands the next dQ stage to the writer (kSegmentIds: with `turn`), once the writer's
+  // Hands the next dQ stage to its writer (kSegmentIds: with `turn`), once the writer's
   // reduction of two turns ago has read it; `stage_frags(dst)` first writes the tile's
   // partial into it.
   auto hand_over = [&](const DqTurn& turn, auto&& stage_frags) {
@@ -405,7 +417,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const KeyTileTicket item_tile = stages.receive_item(item);
     if (item_tile.kept < 0) break;
     if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlStart);
-    // Not a structured binding: visit_from below captures key_tile, which C++17 lambdas cannot.
     const int64_t kept = item_tile.kept, key_tile = item_tile.key_tile;
     const int64_t n0 = key_tile * BN;
 
@@ -420,9 +431,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int64_t linear = g.linear, i_last = g.last, i_begin = g.first;
       const InstanceBounds& b = g.b;
       if (i_begin > i_last) continue;  // no Q tile to visit (ids that cannot meet): no dQ turn either
-      auto visit_from = [&](int64_t i) {  // the first Q tile from i on to visit; > i_last when none
-        return visited_q_tile<kIds>(rt, linear, i, i_last, key_tile, lane);
-      };
       const InstanceIndex inst(p, linear);
       const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
       // Dropout: the pair (cuda/dropout.h) of the lane's keys s and s + 8 (warp_key0 is a
@@ -467,9 +475,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll 1
       for (int64_t i = i_begin, i_next; i <= i_last; i = i_next, ++q_tile_n) {
         const int64_t m0 = i * BM;
-        i_next = visit_from(i + 1);
         const Stage<2> stage(q_tile_n);
         mbar_wait(stages.full(stage.index), stage.parity);
+        // kSegmentIds: the producer's plan of the tile (the id test, the turn, the next tile),
+        // each field read where it is used, not held in registers (held, they spilled in this loop).
+        auto plan = [&] { return stages.plan(stage.index); };
         if (item == kTlItem && tid == 0 && i == i_begin) JF_TIMELINE_NOW(rt, kTlFirstQ);
         const QTile sQ = stages.q(stage.index), sdO = stages.d_o(stage.index);
         // Rows [q_len, T) of the tile hold the tensor's padding, which may be anything,
@@ -499,7 +509,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const uint32_t* tile_row_words = stages.row_words(stage.index);
 
         const bool full = tile_pair_full<BM, BN>(p, b, m0, n0);
-        const bool id_test = ids && rt.segments.needs_test(linear, i, key_tile);
+        const bool id_test = ids && plan()->id_test;
         // The last sub-tile's dS^T as an A operand: its dK product waits for dQ's (below).
         uint32_t dsa[kSubM / 16][4];
         // The tile's queries in sub-tiles of 64 (registers: see bwd_tile_size.h).
@@ -550,9 +560,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   #pragma unroll
               for (int e = 0; e < 4; ++e) x[e] = fmaf(x[e], rt.score_mul, -(e & 1 ? l.y : l.x));
             });
-          if constexpr (kMods) {
+          if constexpr (kMods || kIds) {
             const ScoreBlock blk(p, b, m0 + q0, n0 + warp_key0);  // (queries, keys): the accumulator transposed
-            if (alibi2 != 0.f) alibi_scores(s, -blk.diag, 1.f, alibi2, lane);  // hence -diag
+            if (kMods && alibi2 != 0.f) alibi_scores(s, -blk.diag, 1.f, alibi2, lane);  // hence -diag
             if (!full) mask_positions_transposed(s, blk, lane);
             if (id_test)
               apply_segment_ids_transposed(s, key_ids, reinterpret_cast<const int32_t*>(tile_row_words) + q0, lane);
@@ -644,11 +654,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           wgmma_commit();
         }
         // kSegmentIds: the key tile's turn on this Q tile (bwd_dq.h), counting only the key
-        // tiles that visit it (bwd_kernel.h); the other copies' writer forms it.
-        DqTurn turn{};
-        if constexpr (kIds) {
-          turn = DqTurn{linear * rt.q_tiles + i, key_tile_turn<BM, BN>(p, rt, b, linear, i, key_tile, true, lane)};
-        }
+        // tiles that visit it (bwd_kernel.h; the plan's); the other copies' writer forms it.
+        const DqTurn turn = kIds ? DqTurn{linear * rt.q_tiles + i, plan()->turn} : DqTurn{};
         wgmma_wait<1>();  // dQ (and dV): the last dK may still run
         hold_acc(dq);
         // To the writer: each warp's block in the accumulator's layout.
@@ -656,10 +663,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           stage_dq_frags(dq, stage_floats + dq_warp * kDqWarpFloats, lane);
         });
         wgmma_wait<0>();  // dK: the stage's operands are free
+        i_next = kIds ? plan()->next : i + 1;
         mbar_arrive(stages.empty(stage.index));  // this thread's last reads of the stage
       }
     }
-    if constexpr (kIds) hand_over(DqTurn{-1, 0}, [](float*) {});  // the item's end of turns
     // K / V are free for the next item's load while dK / dV go out from registers.
     if (holds_kv) mbar_arrive(stages.kv_empty());
     hold_acc(dk);
@@ -674,6 +681,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     store_key_rows<T, D>(dv, rt.dv_scale, out.origin<T>(p, p.dv) + n0 * p.dv.row_stride, p.dv.row_stride,
                          warp_key0, rows_out, head_dim, rt.dv_vec && whole_chunks, lane);
     if (item == kTlItem && tid == 0) JF_TIMELINE_NOW(rt, kTlEpiStored);
+  }
+  if constexpr (kIds) {  // the end marks of the named turns, one to each writer's stage
+    static_assert(Cfg::kDqWriters == 2, "a writer per dQ stage");
+    hand_over(DqTurn{-1, 0}, [](float*) {});
+    hand_over(DqTurn{-1, 0}, [](float*) {});
   }
 #else
   (void)p, (void)rt;

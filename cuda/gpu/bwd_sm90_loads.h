@@ -28,26 +28,28 @@
 //              announces the stage's bytes on full[s] and issues two TMA tile
 //              loads (Q, dO: the descriptors of tma_encode.h; rows past T
 //              arrive as zeros) and two 1-D bulk copies (lse2, delta: the
-//              workspace pads them to whole tiles); with dropout or the score
-//              modifiers every lane also writes its share of the row words
-//              (the rows' dropout keys, or their segment ids) and arrives.
+//              workspace pads them to whole tiles); with dropout or segment
+//              ids every lane then writes its share of the row words (the
+//              rows' dropout keys, or their segment ids), lane 0 with ids the
+//              tile's plan (QTilePlan), and every lane arrives.
 //   consumers  wait full[s] (every thread), compute, and arrive on empty[s]
 //              (every thread) once the tile's last products, which read Q
 //              and dO, have completed. Every reader arrives, not a lane per
 //              warp: a thread's own arrival is what orders its shared-memory
-//              reads (lse2, delta, row words) before the producer's next
+//              reads (lse2, delta, row words, plan) before the producer's next
 //              writes; a lane's arrival says nothing of its warp's other
 //              lanes (compute-sanitizer's racecheck flags exactly that).
 //
 // No deadlock. The producer and the consumers step the same items, instances
-// and tiles (visited_q_tile over the same visible range, with the same
-// segment-id skipping, the same K / V loads), so each full
+// and tiles (group_instance's first tile, then the next one, which with
+// segment ids the consumers take from the producer's plan; the same K / V
+// loads), so each full
 // phase the consumers wait for is one the producer completes, and each empty
 // phase the producer waits for is one the consumers give: they release a Q
 // tile's stage after computing it, K / V after their item's last tile (or
 // before a reload), and a slot on reading it, which needs only loads already
 // issued, their own named barriers and the writer's release of a dQ stage
-// (bwd_dq.h's argument; the writer waits on other CTAs only for smaller
+// (bwd_dq.h's argument; a writer waits on other CTAs only for smaller
 // tickets, and a CTA takes its next ticket only after issuing its current
 // item's loads). The first pass over a fresh barrier returns at once (tma.h).
 // After the end mark the producer leaves with no copy in flight that the
@@ -96,11 +98,24 @@ __device__ __forceinline__ GroupInstance group_instance(const AttentionParams& p
   return g;
 }
 
+// The segment-id copy's plan of a staged Q tile, formed by the producer (which walks the
+// same tiles anyway; SegmentTiles::backward_step, one round of loads) and read by the consumers
+// with the tile, so that their Q-tile loop holds no table load or ballot: the next Q tile they
+// visit (> i_last: none), the key tile's dQ turn on this one (key_tile_turn's count), and
+// whether the pair needs the per-element id test (only then does the producer load the
+// queries' ids). Formed as three scans in a row, it made the producer's chain per tile the
+// kernel's bound (docs/DESIGN.md: packed documents' fwd+bwd 0.75 -> 0.85 of separate rows).
+struct QTilePlan {
+  int32_t next;  // Q tile indices are below 2^31 / BLOCK_M (tma_encode.h's coordinates)
+  int32_t turn;
+  uint32_t id_test;
+};
+
 // The loads' shared memory (the offsets of BwdSm90Config, from its 1024-byte
 // aligned base): stage s holds Q and dO, lse2 and delta, a word per row; then
 // K and V, and at kLoadBarsOff the mbarriers (the stages' full 0, 1 and empty
-// 0, 1, K / V's full and empty, the item slots' full 0, 1 and empty 0, 1) and
-// the two item slots.
+// 0, 1, K / V's full and empty, the item slots' full 0, 1 and empty 0, 1), the
+// two item slots, and the stages' two plans (QTilePlan, 16 bytes each).
 template <class Cfg>
 struct QTileStages {
   static constexpr int BM = Cfg::kBlockM;
@@ -138,6 +153,10 @@ struct QTileStages {
   __device__ __forceinline__ KeyTileTicket* item_slot(int s) const {
     return reinterpret_cast<KeyTileTicket*>(bar(10)) + s;
   }
+  __device__ __forceinline__ QTilePlan* plan(int s) const {
+    static_assert(sizeof(KeyTileTicket) == 16 && sizeof(QTilePlan) <= 16, "the slots' layout (BwdSm90Config)");
+    return reinterpret_cast<QTilePlan*>(reinterpret_cast<char*>(item_slot(2)) + 16 * s);
+  }
 
   // By one thread, before a CTA barrier.
   __device__ __forceinline__ void init_barriers() const {
@@ -145,7 +164,8 @@ struct QTileStages {
       mbar_init(full(s), kFullArrivals);
       mbar_init(empty(s), kEmptyArrivals);
       mbar_init(item_full(s), 1);
-      mbar_init(item_empty(s), Cfg::kConsumerThreads + Cfg::kDqWriters);  // and the writers
+      // and the writers, except in the segment-id copy, whose writers take named turns only
+      mbar_init(item_empty(s), Cfg::kConsumerThreads + (Cfg::kSegmentIds ? 0 : Cfg::kDqWriters));
     }
     mbar_init(kv_full(), 1);
     mbar_init(kv_empty(), Cfg::kConsumerThreads);
@@ -153,7 +173,7 @@ struct QTileStages {
 
   // The CTA's item n (counted over its life): a ticket's (kept instance, key tile), or
   // kept = -1 at the end. Sent by the producer warp (`leader` writes), received by every
-  // consumer thread and the writer.
+  // consumer thread and the writers (not the segment-id copy's).
   __device__ __forceinline__ void send_item(uint32_t n, const KeyTileTicket& item, bool leader) const {
     const Stage<2> slot(n);
     mbar_wait(item_empty(slot.index), slot.parity ^ 1u);
@@ -175,7 +195,7 @@ struct QTileStages {
 // `kept`): the whole warp (lane = its lane) walks the Q tiles the consumers
 // visit and loads each into the ring, with the item's K / V before its first
 // visited instance's tiles (and each one's with rt.kv_per_instance), lane 0 issuing the
-// copies. The score-mods copy's ballots (visited_q_tile) need the whole warp.
+// copies. The segment-id copy's ballots (visited_q_tile, backward_step) need the whole warp.
 // n: the Q tiles loaded over the CTA's life; kv_loads: its K / V loads.
 template <class Cfg>
 __device__ __forceinline__ void load_item(const AttentionParams& p, const BwdRuntime& rt,
@@ -220,35 +240,48 @@ __device__ __forceinline__ void load_item(const AttentionParams& p, const BwdRun
         ids ? static_cast<const int32_t*>(p.q_segment_ids.data) + instance_offset(p, p.q_segment_ids, linear)
             : nullptr;
 #pragma unroll 1
-    for (; i <= i_last; i = visited_q_tile<kIds>(rt, linear, i + 1, i_last, key_tile, lane), ++n) {
+    for (int64_t i_next; i <= i_last; i = i_next, ++n) {
       const Stage<2> st(n);
       const int m0 = static_cast<int>(i * BM);  // below 2^31 (tma_encode.h)
       uint64_t* const full = stages.full(st.index);
+      // The next tile, and with kIds the tile's plan for the consumers (one step of ballots,
+      // while the stage may still be in use).
+      QTilePlan plan{};
+      if constexpr (kIds) {
+        const KeyRange before = key_tiles_before<BM, BN>(p, rt, g.b, i, key_tile);
+        const QTileStep step = rt.segments.backward_step(linear, i, i_last, key_tile, before.lo, before.hi, lane);
+        i_next = step.next;
+        plan = QTilePlan{static_cast<int32_t>(i_next), step.turn, step.id_test};
+      } else {
+        i_next = i + 1;
+      }
       mbar_wait(stages.empty(st.index), st.parity ^ 1u);
+      if (lane == 0) {
+        // The copies first, so that they start one global load earlier than the row words'.
+        if constexpr (QTileStages<Cfg>::kRowWords) mbar_expect_tx(full, QTileStages<Cfg>::kTxBytes);
+        else mbar_arrive_expect_tx(full, QTileStages<Cfg>::kTxBytes);
+        tma_load_tile(rt.tma_q, q_inst, full, stages.q(st.index), m0);
+        tma_load_tile(rt.tma_do, do_inst, full, stages.d_o(st.index), m0);
+        bulk_load(stages.lse2(st.index), lse2_rows + m0, BM * 4, full);
+        bulk_load(stages.delta(st.index), delta_rows + m0, BM * 4, full);
+        if constexpr (kIds) *stages.plan(st.index) = plan;
+      }
       if constexpr (QTileStages<Cfg>::kRowWords) {
         uint32_t* const words = stages.row_words(st.index);
 #pragma unroll
         for (int row = lane; row < BM; row += 32) {
           if constexpr (Cfg::kDropout) words[row] = dropout.row_key(m0 + row);
-          else if (ids)
+          else if (plan.id_test)  // (the queries' ids: read by the consumers' test alone)
             words[row] = m0 + row < p.seqlen_q ? __ldg(q_ids + (m0 + row) * p.q_segment_ids.row_stride) : 0;
         }
-      }
-      if (lane == 0) {
-        mbar_arrive_expect_tx(full, QTileStages<Cfg>::kTxBytes);
-        tma_load_tile(rt.tma_q, q_inst, full, stages.q(st.index), m0);
-        tma_load_tile(rt.tma_do, do_inst, full, stages.d_o(st.index), m0);
-        bulk_load(stages.lse2(st.index), lse2_rows + m0, BM * 4, full);
-        bulk_load(stages.delta(st.index), delta_rows + m0, BM * 4, full);
-      } else if constexpr (QTileStages<Cfg>::kRowWords) {
-        mbar_arrive_if(full, true);
+        mbar_arrive(full);  // every lane, after its stores (lane 0's plan too)
       }
     }
   }
 }
 
 // The producer warp over the CTA's life: takes each ticket (lane 0, from the workspace's
-// counter), hands it to the consumers and the writer, and loads its item; the end mark when
+// counter), hands it to the consumers and the writers, and loads its item; the end mark when
 // the tickets run out.
 template <class Cfg>
 __device__ __forceinline__ void produce(const AttentionParams& p, const BwdRuntime& rt,

@@ -19,6 +19,13 @@ struct TileSpan {
   int32_t lo, hi;
 };
 
+// A backward producer's step at one Q tile (SegmentTiles::backward_step).
+struct QTileStep {
+  int64_t next;   // the next Q tile that may meet the key tile (> i_last: none)
+  int turn;       // the key tile's dQ turn on this Q tile: meeting key tiles in the turn range
+  bool id_test;   // whether the pair needs the per-element test
+};
+
 // The tables: [instance][tile] for each side; null without segment ids.
 struct SegmentTiles {
   const IdRange* q = nullptr;
@@ -54,6 +61,31 @@ struct SegmentTiles {
       if (meets != 0) return i + __ffs(meets) - 1;
     }
     return i_last + 1;
+  }
+  // next_meeting_q_tile(i + 1), meeting_key_tiles(i, j0, j1) and needs_test(i, j) at once, for
+  // Q tile i (<= i_last) of key tile j: lane l loads query tile i + l's range and key tile
+  // j0 + l's together, so that a step inside a document (the next tile within 31, a turn range
+  // within 32 tiles) takes one trip to L2 where the three took three dependent ones (the sm_90
+  // backward's producer, whose per-tile chain bounded the kernel: bwd_sm90_loads.h). The whole
+  // warp calls it, converged, and every lane gets the step.
+  __device__ __forceinline__ QTileStep backward_step(int64_t linear, int64_t i, int64_t i_last, int64_t j,
+                                                     int64_t j0, int64_t j1, int lane) const {
+    if (q == nullptr) return {i + 1, static_cast<int>(j1 - j0), false};
+    const IdRange key = k[linear * k_tiles + j];
+    const IdRange* queries = q + linear * q_tiles;
+    const IdRange* keys = k + linear * k_tiles;
+    const bool q_in = i + lane <= i_last, k_in = j0 + lane < j1;
+    const IdRange mine = q_in ? queries[i + lane] : IdRange{1, 0};
+    const IdRange other = k_in ? keys[j0 + lane] : IdRange{1, 0};
+    const IdRange query{__shfl_sync(0xffffffffu, mine.lo, 0), __shfl_sync(0xffffffffu, mine.hi, 0)};  // tile i's
+    QTileStep step;
+    step.id_test = !query.all_equal(key);
+    step.turn = __popc(__ballot_sync(0xffffffffu, k_in && query.meets(other)));
+    for (int64_t jj = j0 + 32; jj < j1; jj += 32)
+      step.turn += __popc(__ballot_sync(0xffffffffu, jj + lane < j1 && query.meets(keys[jj + lane])));
+    const unsigned later = __ballot_sync(0xffffffffu, lane > 0 && q_in && mine.meets(key));
+    step.next = later != 0 ? i + __ffs(later) - 1 : next_meeting_q_tile(linear, i + 32, i_last, j, lane);
+    return step;
   }
   // How many key tiles of [j0, j1) may meet query tile i (the backward's dQ turn, bwd_kernel.h;
   // all of them without segment ids); the whole warp calls it, converged, and every lane gets

@@ -67,6 +67,16 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 #endif
 }
 
+// Announces `bytes` of TMA transactions for the current phase without arriving: for a
+// thread that issues the copies first and arrives later, after stores of its own that the
+// arrival is to publish.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if JF_SM90_ASYNC
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
 // Blocks until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if JF_SM90_ASYNC
