@@ -159,13 +159,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // n: the CTA's tiles so far; kv: its key tiles loaded so far.
 #pragma unroll 1
       for (uint32_t n = 0, kv = 0;; ++n) {
-        sm.send_tile(n, index, leader);
-        if (index >= rt.tiles) return;
+        if (index >= rt.tiles) {
+          sm.send_tile(n, {index}, leader);  // the end
+          return;
+        }
         // Taken now and used after the tile's loads, which hide the atomic's latency.
         int next = leader ? next_persistent_tile(rt) : 0;
         const FwdTile tile = forward_tile<BM>(p, rt, index);
         KeyTileWalk<Cfg> walk = key_tiles(tile, instance_bounds(p, tile.linear));
         const int top = walk.start();
+        if constexpr (Cfg::kSegmentIds) sm.send_tile(n, {index, walk.started(top)}, leader);
+        else sm.send_tile(n, {index}, leader);
         forward_sm90_produce<Cfg>(rt, sm, walk, tile.linear, tile.m0, top, n, kv);
         if constexpr (Cfg::kSegmentIds) next = __shfl_sync(0xffffffffu, next, 0);
         index = next;
@@ -182,7 +186,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // n: the CTA's tiles so far; kv: its key tiles consumed so far.
 #pragma unroll 1
   for (uint32_t n = 0, kv = 0;; ++n) {
-    const int index = sm.receive_tile(n);
+    const typename FwdSm90Smem<Cfg>::Slot slot = sm.receive_tile(n);
+    const int index = slot.index;
     FwdStamps stamps;
     stamps.now(0);
     if (index >= rt.tiles) {
@@ -193,10 +198,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const FwdTile tile = forward_tile<BM>(p, rt, index);
     const InstanceBounds bounds = instance_bounds(p, tile.linear);
     const Positions pos(p, bounds);
-    KeyTileWalk<Cfg> walk = key_tiles(tile, bounds);
-    // No visible key for any row (or all rows padding), or no key tile that shares an id
-    // with them: nothing is loaded, and the epilogue alone writes O = 0 and lse = -inf.
-    const int top = walk.start();
+    // The tile's walk: with segment ids the one the producer started (its slot), else the
+    // consumers' own. No visible key for any row (or all rows padding), or no key tile that
+    // shares an id with them: nothing is loaded, and the epilogue alone writes O = 0 and
+    // lse = -inf.
+    int top = 0;
+    KeyTileWalk<Cfg> walk = [&](const auto& s) {
+      if constexpr (Cfg::kSegmentIds) {
+        top = s.walk.top;
+        return KeyTileWalk<Cfg>(rt.segments, tile.linear, tile.m0, s.walk, lane);
+      } else {
+        KeyTileWalk<Cfg> own = key_tiles(tile, bounds);
+        top = own.start();
+        return own;
+      }
+    }(slot);
     const bool any = walk.visits(top);
     Acc<Cfg::kHeadDim> o;
     zero_frags(o);

@@ -61,6 +61,13 @@ namespace jaxflash::gpu {
 // (causal packing: the visible range reaches back to the row's first key; the
 // key spans, which bound the walk to the tiles between the first and the last
 // that meet the query tile, remove the scan altogether for sorted ids).
+// A walk's state after its first step (KeyTileWalk::start), as the producer hands it to the
+// consumers with the tile (FwdTileSlot): its first tile `top` and what the walk holds then.
+struct KeyWalkStart {
+  int top, first, window_top;
+  unsigned meets, tests;
+};
+
 template <class Cfg>
 struct KeyTileWalk {
   static constexpr int BN = Cfg::kBlockN;
@@ -89,6 +96,21 @@ struct KeyTileWalk {
     }
     window_top = first - BN;  // (below every tile: the first step reads a window)
   }
+  // The walk the producer started (start() returned s.top), which goes on from there without
+  // reading the tables again until it leaves s's window.
+  __device__ __forceinline__ KeyTileWalk(const SegmentTiles& segments, int linear, int m0, const KeyWalkStart& s,
+                                         int lane)
+      : segments(segments),
+        linear(linear),
+        q_tile(m0 / Cfg::kBlockM),
+        first(s.first),
+        last(s.top),
+        lane(lane),
+        window_top(s.window_top),
+        meets(s.meets),
+        tests(s.tests) {}
+  // This walk after its start() returned top.
+  __device__ __forceinline__ KeyWalkStart started(int top) const { return {top, first, window_top, meets, tests}; }
 
   __device__ __forceinline__ bool visits(int n0) const { return n0 >= first; }
   // The first tile, and the one after n0 (the walk's last step).
@@ -134,6 +156,20 @@ constexpr int kMaskTest = 0, kMaskAlways = 1, kMaskNever = 2;
 constexpr int kTurnBarrier = 1;  // + warpgroup
 constexpr int kZeroVBarrier = 3;
 
+// What the producer hands the consumers per query tile (FwdSm90Smem's slots): its index (one
+// >= rt.tiles for the end), and in the copies with segment ids the walk it started: the
+// consumers' own start read the key span and a window of the tables, two dependent trips to
+// L2 before their first product of every tile.
+template <bool kSegmentIds>
+struct FwdTileSlot {
+  int index;
+};
+template <>
+struct FwdTileSlot<true> {
+  int index;
+  KeyWalkStart walk;
+};
+
 // The CTA's shared memory: Q, O on its way out (its own buffer with
 // Cfg::kSeparateO, else Q's), the K and V stages, the mbarriers and the tile
 // slots through which the producer hands the consumers their next query tile,
@@ -141,6 +177,7 @@ constexpr int kZeroVBarrier = 3;
 template <class Cfg>
 struct FwdSm90Smem {
   static constexpr int S = Cfg::kStages, kSlots = Cfg::kTileSlots;
+  using Slot = FwdTileSlot<Cfg::kSegmentIds>;
   using QTile = typename Cfg::QTile;
   using KTile = typename Cfg::KTile;
   static constexpr int kOOff = Cfg::kSeparateO ? QTile::kBytes : 0;
@@ -149,7 +186,7 @@ struct FwdSm90Smem {
   static constexpr int kBarOff = kVOff + S * KTile::kBytes;
   static constexpr int kBarriers = 2 + 2 * kSlots + 4 * S;
   static constexpr int kSlotOff = kBarOff + kBarriers * 8;
-  static constexpr int kBytes = kSlotOff + kSlots * 4 + 1024;  // + the alignment slack
+  static constexpr int kBytes = kSlotOff + kSlots * static_cast<int>(sizeof(Slot)) + 1024;  // + the alignment slack
 
   char* base;
   __device__ __forceinline__ QTile q() const { return QTile{base}; }
@@ -165,7 +202,7 @@ struct FwdSm90Smem {
   __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(2 + 2 * kSlots + S + s); }
   __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(2 + 2 * kSlots + 2 * S + s); }
   __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(2 + 2 * kSlots + 3 * S + s); }
-  __device__ __forceinline__ int* tile_slot(int s) const { return reinterpret_cast<int*>(base + kSlotOff) + s; }
+  __device__ __forceinline__ Slot* tile_slot(int s) const { return reinterpret_cast<Slot*>(base + kSlotOff) + s; }
 
   // By one thread, before a CTA barrier. The "empty" barriers take one arrival per
   // consumer warp (its lane 0, after the warp is done with the buffer), but for the tile
@@ -190,21 +227,21 @@ struct FwdSm90Smem {
   }
 
   // The n-th query tile of the CTA (n counts from 0 over its life), by the producer
-  // (`leader` writes) to the consumers: its index, or one >= rt.tiles for the end. The
-  // slot is free once every consumer warp has read what it held kSlots tiles before.
-  __device__ __forceinline__ void send_tile(uint32_t n, int tile, bool leader) const {
+  // (`leader` writes) to the consumers: its slot (FwdTileSlot). The slot is free once every
+  // consumer thread has read what it held kSlots tiles before.
+  __device__ __forceinline__ void send_tile(uint32_t n, const Slot& tile, bool leader) const {
     const Stage<kSlots> slot(n);
     mbar_wait(tile_empty(slot.index), slot.parity ^ 1u);
     if (leader) {
       *tile_slot(slot.index) = tile;
-      mbar_arrive(tile_full(slot.index));  // a release: the index is visible to whoever sees the phase
+      mbar_arrive(tile_full(slot.index));  // a release: the slot is visible to whoever sees the phase
     }
   }
   // Its receipt, by every consumer thread.
-  __device__ __forceinline__ int receive_tile(uint32_t n) const {
+  __device__ __forceinline__ Slot receive_tile(uint32_t n) const {
     const Stage<kSlots> slot(n);
     mbar_wait(tile_full(slot.index), slot.parity);
-    const int tile = *tile_slot(slot.index);
+    const Slot tile = *tile_slot(slot.index);
     mbar_arrive(tile_empty(slot.index));
     // Every lane has finished the previous tile's epilogue, whose reads of O's buffer the
     // next epilogue's writes must follow.
@@ -363,7 +400,7 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       } else if constexpr (decltype(mask_step)::value == kMaskTest) {
         if (!full.contain(n0)) mask_positions(s, BlockWindow(pos, warp_row0, n0), lane);
       }
-      if constexpr (Cfg::kMods == FwdMods::kSegmentIds)
+      if constexpr (Cfg::kMods == FwdMods::kSegmentIds && decltype(mask_step)::value != kMaskNever)
         if (walk.needs_id_test(n0)) segment_id_scores(s, p, pos, ops, warp_row0, n0, lane);
     }
     softmax_update<Cfg::kExp2PolyEvery>(s, st, rt.exp_scale, rt.p_shift, [&](int, int h, float a) { alpha[h] = a; });
@@ -446,6 +483,9 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       to_p();
     };
     auto more = [&] { return walk.visits(n0) && !unseen(n0); };
+    // A round with nothing to mask: every row sees the tile whole, and no id differs (the ids'
+    // copy's lean loop: its per-element test, 64 loads, stays in the masked one).
+    auto unmasked = [&] { return full.contain(n0) && !walk.needs_id_test(n0); };
     if constexpr (!Cfg::kSplitMaskLoops) {
 #pragma unroll 1
       for (n0 = walk.next(n0), ++r; more(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskTest>{});
@@ -454,9 +494,9 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
 #pragma unroll 1
       for (;;) {  // (top down: the diagonal's tiles, the whole ones, a window's far edge)
 #pragma unroll 1
-        for (; more() && !full.contain(n0); n0 = walk.next(n0), ++r) round(MaskStep<kMaskAlways>{});
+        for (; more() && !unmasked(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskAlways>{});
 #pragma unroll 1
-        for (; more() && full.contain(n0); n0 = walk.next(n0), ++r) round(MaskStep<kMaskNever>{});
+        for (; more() && unmasked(); n0 = walk.next(n0), ++r) round(MaskStep<kMaskNever>{});
         if (!more()) break;
       }
     }

@@ -146,7 +146,12 @@ constexpr bool fwd_sm90_wide_keys(int head_dim, long long seqlen_k) {
 // Not at D = 128 / 256, where the same code measured 0.98-0.99x (256: 0.97-0.99x): their
 // 64-row warpgroups over 128-key (64 at D = 256) tiles leave little unseen, and at D = 256
 // the split loops spilled more (52 / 60 -> 88 / 128), at D = 128 with wide keys and dropout
-// too (92 / 100 -> 136 / 280). In the copies of three consumers only (above).
+// too (92 / 100 -> 136 / 280). In the copies of three consumers (above), and in the segment ids'
+// copy at D = 128, whose per-element id test (64 loads and compares a round, branched over) then
+// stays in the masked loop with the tiles that need it (fwd_sm90_mainloop.h): its mask-free loop
+// is 801 SASS instructions against 2195 in one loop (bf16; no spills in either). Sixteen packed
+// 1k documents against separate rows (H200, 2026-11-29): forward 0.742 -> 0.771; at D = 64,
+// whose ids copy takes D = 128's shape, 0.674 -> 0.660, so not there.
 // The soft-cap's copy takes every 4th n-fragment's exp2 on the FMA pipe (kExp2PolyEvery,
 // softmax.h's poly_exp2): each of its scores has a tanh and an exp2 on the SFU, which at D = 128
 // is as long as the score's two products on the tensor cores, so a warpgroup's softmax outlasts
@@ -167,9 +172,15 @@ struct FwdSm90TileSize {
   static constexpr bool kSeparateO = D != 256;  // O's own staging buffer (above)
   static constexpr int kTileSlots = 2;  // tiles the producer may hand over ahead of the consumers
   static constexpr bool kSkipUnseen = kThreeConsumers;      // (above: D = 64)
-  static constexpr bool kSplitMaskLoops = kThreeConsumers;
+  static constexpr bool kSplitMaskLoops = kThreeConsumers || (D == 128 && kMods == FwdMods::kSegmentIds);
   static constexpr int kExp2PolyEvery = kMods == FwdMods::kSoftCap ? 4 : 0;  // (above)
 };
+
+// A tile slot's bytes (fwd_sm90_mainloop.h's FwdTileSlot): the tile's index, and in the copies
+// with segment ids the producer's started walk.
+constexpr int fwd_sm90_slot_bytes(FwdMods mods) {
+  return mods == FwdMods::kSegmentIds || mods == FwdMods::kGeneral ? 24 : 4;
+}
 
 // Its shared memory: Q, O where kSeparateO, kStages K and V tiles, the mbarriers
 // (Q's two, the tile slots' two each, four per stage), the tile slots, and 1 KB
@@ -178,7 +189,7 @@ template <int D, FwdMods kMods = FwdMods::kNone, bool kWideKeys = false>
 constexpr int fwd_sm90_smem_bytes() {
   using Tiles = FwdSm90TileSize<D, kMods, kWideKeys>;
   return (Tiles::kBlockM * (Tiles::kSeparateO ? 2 : 1) + 2 * Tiles::kStages * Tiles::kBlockN) * D * 2 +
-         (2 + 2 * Tiles::kTileSlots + 4 * Tiles::kStages) * 8 + Tiles::kTileSlots * 4 + 1024;
+         (2 + 2 * Tiles::kTileSlots + 4 * Tiles::kStages) * 8 + Tiles::kTileSlots * fwd_sm90_slot_bytes(kMods) + 1024;
 }
 
 }  // namespace jaxflash::gpu
