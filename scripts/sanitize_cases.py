@@ -40,6 +40,11 @@ CASES = (
     # stored whole runs past dk's last row: memcheck, with each buffer its own allocation).
     ("bfloat16", (2, 100, 2, 40), (2, 130, 1, 40), dict(is_causal=True)),
     ("float16", (1, 70, 2, 120), (1, 90, 2, 120), dict(logits_soft_cap=3.0)),
+    # Segment ids (documents across tile edges: skipped tiles, tiles with the per-element test
+    # and without): the sm_90 backward's copy for ids alone (its producer's plan, two dQ writers
+    # with named turns) and the one with a soft-cap, the forward's ids copy (the walk handed over).
+    ("bfloat16", (2, 300, 4, 128), (2, 300, 2, 128), dict(is_causal=True, documents=(97, 160, 43))),
+    ("float16", (1, 520, 2, 64), (1, 520, 2, 64), dict(documents=(200, 64, 256), logits_soft_cap=2.0)),
 )
 
 
@@ -56,6 +61,11 @@ def run(dtype, q_shape, kv_shape, extra):
     extra.update(dropout_rate=0.2, dropout_rng=keys[5])
   slopes = (jnp.linspace(0.05, 0.5, q_shape[2], dtype=jnp.float32)
             if extra.pop("alibi", False) else None)
+  documents = extra.pop("documents", None)
+  if documents is not None:  # the same documents in every row
+    lengths = jnp.broadcast_to(jnp.array(documents, jnp.int32), (q_shape[0], len(documents)))
+    extra["query_segment_ids"], extra["key_value_segment_ids"] = jaxflash.segment_ids_from_lengths(
+        lengths, q_shape[1])
   if extra.pop("lengths", False):
     B, T, S = q_shape[0], q_shape[1], kv_shape[1]
     extra["query_seq_lengths"] = jnp.array([T, T // 2, 0][:B], jnp.int32)
