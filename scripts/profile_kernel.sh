@@ -14,6 +14,8 @@
 #                                                          spend their lives (cuda/gpu/timeline.h)
 #   scripts/profile_kernel.sh fwd 128 1024 full timeline   ... and the sm_90 forward's phases per
 #                                                          query tile (cuda/gpu/timeline.h)
+#   PACKED=1 scripts/profile_kernel.sh fwd 128 1024 causal ...   the forward with the shape's rows
+#                                                          packed into one by segment ids
 set -euo pipefail
 DIRECTION=${1:?usage: $0 fwd|bwd [D N causal|full [ncu]]}
 shift
@@ -34,14 +36,14 @@ cd "$(dirname "$0")/.."
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DJAXFLASH_CUDA=ON \
   -DJAXFLASH_CUDA_ARCHITECTURES=90a -DJAXFLASH_BUILD_SELFTESTS=ON -DCMAKE_CUDA_FLAGS="${EXTRA_FLAGS:-}" >/dev/null
 cmake --build "$BUILD" -j 16 --target "${DIRECTION}_selftest"
-"$BUILD/${DIRECTION}_selftest" bench-only "${@:1:3}"
+"$BUILD/${DIRECTION}_selftest" bench-only "${@:1:3}" ${PACKED:+packed}
 if [ "${4:-}" = split ]; then
   # Every kernel of the first calls (the bench warms up with 3), at the running clocks and with
   # the caches as the call leaves them: duration, DRAM bytes and SM activity per kernel.
-  name="${DIRECTION}_$1_$2_$3"
+  name="${DIRECTION}_$1_$2_$3${PACKED:+_packed}"
   ncu --clock-control none --cache-control none -c 12 --csv --page raw \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__cycles_active.avg,sm__cycles_elapsed.max \
-    "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" > "$OUT/$name.split.csv" 2>&1 || true
+    "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" ${PACKED:+packed} > "$OUT/$name.split.csv" 2>&1 || true
   python3 - "$OUT/$name.split.csv" <<'PY' | tee "$OUT/$name.split.txt"
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
@@ -59,8 +61,8 @@ for r in data:
 PY
 fi
 if [ "${4:-}" = ncu ]; then
-  name="${DIRECTION}_$1_$2_$3"
-  ncu --set full -k "$KERNEL" -c 1 -o "$OUT/$name" -f "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" \
+  name="${DIRECTION}_$1_$2_$3${PACKED:+_packed}"
+  ncu --set full -k "$KERNEL" -c 1 -o "$OUT/$name" -f "$BUILD/${DIRECTION}_selftest" bench-only "$1" "$2" "$3" ${PACKED:+packed} \
     > /dev/null
   ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt"
   # The facts DESIGN.md quotes: throughput, tensor and MUFU pipes, occupancy, registers, stalls.

@@ -11,7 +11,8 @@
 // Run: /tmp/selftests/fwd_selftest          correctness cases, exit status 0 iff all pass
 //      /tmp/selftests/fwd_selftest bench    also time bf16 forward at FlashAttention's benchmark shapes
 //                                            (and D = 256)
-//      /tmp/selftests/fwd_selftest bench-only [D N causal|full]   time only (one shape), no checks
+//      /tmp/selftests/fwd_selftest bench-only [D N causal|full [packed]]   time only (one shape), no checks
+//                                                     (packed: its rows in one row, with segment ids)
 //      /tmp/selftests/fwd_selftest WORD     only the cases whose name contains WORD (e.g. under compute-sanitizer)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -336,9 +337,10 @@ void bench(const BenchFilter& only = {}) {
     for (bool causal : {false, true})
       for (int L : {1024, 4096, 16384}) {
         if (only.skips(H, L, causal)) continue;
-        const int B = 16384 / L, N = 2048 / H;
-        const size_t n = size_t(B) * L * N * H;
-        DeviceBuffer q(2 * n), k(2 * n), v(2 * n), o(2 * n), lse(2 * 4 * size_t(B) * N * L);
+        // Rows of L tokens, or (only.packed) those rows packed into one with segment ids.
+        const int B = only.packed ? 1 : 16384 / L, T = only.packed ? 16384 : L, N = 2048 / H;
+        const size_t n = size_t(B) * T * N * H;
+        DeviceBuffer q(2 * n), k(2 * n), v(2 * n), o(2 * n), lse(2 * 4 * size_t(B) * N * T);
         std::vector<__nv_bfloat16> host(n);
         std::mt19937 rng(1);
         std::uniform_real_distribution<float> uni(-1.f, 1.f);
@@ -348,16 +350,25 @@ void bench(const BenchFilter& only = {}) {
         p.dtype = DType::kBF16;
         p.num_inst_dims = 2;
         p.inst_size[0] = B, p.inst_size[1] = N;
-        p.seqlen_q = p.seqlen_k = L, p.head_dim = H;
+        p.seqlen_q = p.seqlen_k = T, p.head_dim = H;
         p.scale = 1.f / std::sqrt(float(H));
         if (causal) p.window_right = 0;
         for (ArrayView* view : {&p.q, &p.k, &p.v, &p.o}) {
-          view->inst_stride[0] = int64_t(L) * N * H, view->inst_stride[1] = H;
+          view->inst_stride[0] = int64_t(T) * N * H, view->inst_stride[1] = H;
           view->row_stride = int64_t(N) * H, view->col_stride = 1;
         }
         p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.o.data = o.ptr;
-        set_view(p.lse, lse.ptr, int64_t(N) * L * 2, int64_t(L) * 2, 0, 2, 1);
-        DeviceBuffer ws(jaxflash::gpu::forward_workspace_bytes(p.num_instances(), L, L, H, p.dtype, false));
+        set_view(p.lse, lse.ptr, int64_t(N) * T * 2, int64_t(T) * 2, 0, 2, 1);
+        DeviceBuffer ids(only.packed ? 4 * size_t(T) : 0);  // token t in document t / L, both sides
+        if (only.packed) {
+          std::vector<int32_t> host_ids(T);
+          for (int t = 0; t < T; ++t) host_ids[t] = t / L;
+          CHECK_CUDA(cudaMemcpy(ids.ptr, host_ids.data(), 4 * size_t(T), cudaMemcpyHostToDevice));
+          p.flags |= jaxflash::kHasSegmentIds;
+          set_view(p.q_segment_ids, ids.ptr, T, 0, 0, 1, 0);
+          set_view(p.kv_segment_ids, ids.ptr, T, 0, 0, 1, 0);
+        }
+        DeviceBuffer ws(jaxflash::gpu::forward_workspace_bytes(p.num_instances(), T, T, H, p.dtype, only.packed));
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));
         CHECK_CUDA(cudaEventCreate(&stop));
@@ -370,9 +381,9 @@ void bench(const BenchFilter& only = {}) {
         float ms;
         CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
         ms /= iters;
-        const double flops = 4.0 * B * N * double(L) * L * H / (causal ? 2 : 1);
-        std::printf("  H=%3d %-6s N=%5d  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L, ms,
-                    flops / ms / 1e9);
+        const double flops = 4.0 * (16384 / L) * N * double(L) * L * H / (causal ? 2 : 1);  // packed: the same
+        std::printf("  H=%3d %-6s N=%5d%s  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L,
+                    only.packed ? " packed" : "", ms, flops / ms / 1e9);
 #ifdef JAXFLASH_FWD_TIMELINE
         CHECK_CUDA(jaxflash::gpu::launch_forward(p, ws.ptr, nullptr));  // alone: its CTAs' sums
         fwd_timeline_report();

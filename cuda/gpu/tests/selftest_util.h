@@ -164,19 +164,24 @@ std::vector<int32_t> segment_ids(Segments kind, int B, int L, int32_t pad_id, ui
   return ids;
 }
 
-// The bench's shapes to time: `bench-only [D N causal|full]` picks one; 0 / -1 mean every value.
+// The bench's shapes to time: `bench-only [D N causal|full [packed]]` picks one; 0 / -1 mean every
+// value. packed: the shape's rows of N packed one after another into one row of 16384 with segment
+// ids (a document per row: the same work, through the segment-id copies), where a self-test has it.
 struct BenchFilter {
   int head_dim = 0, seqlen = 0, causal = -1;
+  bool packed = false;
 
   bool skips(int head_dim_, int seqlen_, bool causal_) const {
     return (head_dim && head_dim_ != head_dim) || (seqlen && seqlen_ != seqlen) || (causal >= 0 && int(causal_) != causal);
   }
 };
 
-// argv of `SELFTEST bench-only [D N causal|full]`: whether it is that mode, and the filter.
+// argv of `SELFTEST bench-only [D N causal|full [packed]]`: whether it is that mode, and the filter.
 inline bool bench_only(int argc, char** argv, BenchFilter* only) {
   if (argc < 2 || std::string(argv[1]) != "bench-only") return false;
-  if (argc > 4) *only = {std::atoi(argv[2]), std::atoi(argv[3]), std::string(argv[4]) == "causal" ? 1 : 0};
+  if (argc > 4)
+    *only = {std::atoi(argv[2]), std::atoi(argv[3]), std::string(argv[4]) == "causal" ? 1 : 0,
+             argc > 5 && std::string(argv[5]) == "packed"};
   return true;
 }
 
