@@ -73,11 +73,6 @@ __device__ __forceinline__ KeyTileTicket take_key_tile(const BwdRuntime& rt, int
   return decode_key_tile<int>(rt, s_ticket);
 }
 
-// Key tile `key_tile`'s dQ turn on Q tile i (rows [i BM, i BM + BM)) of instance
-// `linear` (bwd_dq.h): how many key tiles add to that Q tile before it. Those
-// that add are the range the band lets meet the Q tile, under segment ids
-// (`ids`) only those whose id ranges meet its (SegmentTiles, a ballot: every lane
-// of the warp calls), in the order of the tickets (take_key_tile).
 // The key tiles [lo, hi) that add to Q tile i before key tile `key_tile` (without segment ids,
 // all of them): the range key_tile_turn counts.
 template <int BM, int BN>
@@ -86,6 +81,12 @@ __device__ __forceinline__ KeyRange key_tiles_before(const AttentionParams& p, c
   const KeyRange keys = visible_keys(p, b, i * BM, i * BM + BM);
   return keys_descend(rt) ? KeyRange{key_tile + 1, (keys.hi + BN - 1) / BN} : KeyRange{keys.lo / BN, key_tile};
 }
+
+// Key tile `key_tile`'s dQ turn on Q tile i (rows [i BM, i BM + BM)) of instance
+// `linear` (bwd_dq.h): how many key tiles add to that Q tile before it. Those
+// that add are the range the band lets meet the Q tile, under segment ids
+// (`ids`) only those whose id ranges meet its (SegmentTiles, a ballot: every lane
+// of the warp calls), in the order of the tickets (take_key_tile).
 template <int BM, int BN>
 __device__ __forceinline__ int key_tile_turn(const AttentionParams& p, const BwdRuntime& rt,
                                              const InstanceBounds& b, int64_t linear, int64_t i,

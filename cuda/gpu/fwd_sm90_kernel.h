@@ -12,7 +12,8 @@
 //   warpgroup 0: the producer. One thread (with segment ids one warp, which
 //                steps the key tiles: KeyTileWalk) takes the tile indices, hands
 //                each to the consumers through a ring of shared-memory slots
-//                (FwdSm90Smem::send_tile), then loads that tile: it issues
+//                (FwdSm90Smem::send_tile; with segment ids the walk it started
+//                goes along), then loads that tile: it issues
 //                every TMA load (Q, the K / V tiles through the mbarrier
 //                pipeline). The rest of the warpgroup leaves at once; it gives
 //                its registers to the consumers (setmaxnreg).
