@@ -65,8 +65,8 @@
 // QTilePlan): they skip tiles, and so the writers add exactly the tiles they
 // computed without a loop of their own to agree with theirs.
 //
-// The score modifiers (BwdSm90Config::kScoreMods; params.h's order: soft-cap,
-// then ALiBi and the masks), on the transposed accumulator, keys as rows:
+// The score modifiers (BwdSm90Config::kScoreMods, segment ids kSegmentIds; params.h's
+// order: soft-cap, then ALiBi and the masks), on the transposed accumulator, keys as rows:
 //   soft-cap  t = tanh(S^T scale / cap) on the SFU (soft_cap_tanh: one MUFU op
 //             beside exp2's, where tanhf is ~20 instructions per score), the
 //             base-2 logit log2e cap t; dS^T is multiplied by the slope
@@ -84,9 +84,10 @@
 //   segments  a Q tile whose id range cannot meet the key tile's is not visited
 //             (segment_tiles.h: not loaded, no turn taken, and the dQ turns of
 //             the tiles visited count only key tiles that meet, as in
-//             bwd_kernel.h); a pair whose ranges are not one id gets the
-//             per-element test: each lane's two key ids are loaded once per
-//             instance, the Q tile's ids come with it into shared memory.
+//             bwd_kernel.h; the producer's QTilePlan says which); a pair whose
+//             ranges are not one id gets the per-element test: each lane's two
+//             key ids are loaded once per instance, and only such a tile's
+//             queries' ids come with it into shared memory.
 #pragma once
 
 #include <cstdint>
