@@ -14,8 +14,8 @@
 #                                                          spend their lives (cuda/gpu/timeline.h)
 #   scripts/profile_kernel.sh fwd 128 1024 full timeline   ... and the sm_90 forward's phases per
 #                                                          query tile (cuda/gpu/timeline.h)
-#   PACKED=1 scripts/profile_kernel.sh fwd 128 1024 causal ...   the forward with the shape's rows
-#                                                          packed into one by segment ids
+#   PACKED=1 scripts/profile_kernel.sh fwd|bwd 128 1024 causal ...   the shape's rows packed
+#                                                          into one by segment ids
 set -euo pipefail
 DIRECTION=${1:?usage: $0 fwd|bwd [D N causal|full [ncu]]}
 shift

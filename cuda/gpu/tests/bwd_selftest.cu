@@ -24,7 +24,7 @@
 // Run: /tmp/selftests/bwd_selftest          correctness + determinism, exit status 0 iff all pass
 //      /tmp/selftests/bwd_selftest bench    also time the bf16 backward at FlashAttention's benchmark shapes
 //      /tmp/selftests/bwd_selftest quick    correctness only (for compute-sanitizer)
-//      /tmp/selftests/bwd_selftest bench-only [D N causal|full]
+//      /tmp/selftests/bwd_selftest bench-only [D N causal|full [packed]]
 //                                 only the timing, optionally of one shape (e.g. for ncu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -734,36 +734,46 @@ void bench(const BenchFilter& only) {
     for (bool causal : {false, true})
       for (int L : {1024, 4096, 16384}) {
         if (only.skips(H, L, causal)) continue;
-        const int B = 16384 / L, N = 2048 / H;
-        const size_t n = size_t(B) * L * N * H;
+        // Rows of L tokens, or (only.packed) those rows packed into one with segment ids.
+        const int B = only.packed ? 1 : 16384 / L, T = only.packed ? 16384 : L, N = 2048 / H;
+        const size_t n = size_t(B) * T * N * H;
         DeviceBuffer q(2 * n), k(2 * n), v(2 * n), d_o(2 * n), dq(2 * n), dk(2 * n), dv(2 * n);
-        DeviceBuffer lse(2 * 4 * size_t(B) * N * L), delta(4 * size_t(B) * N * L);
-        CHECK_CUDA(cudaMemset(delta.ptr, 0, 4 * size_t(B) * N * L));
+        DeviceBuffer lse(2 * 4 * size_t(B) * N * T), delta(4 * size_t(B) * N * T);
+        CHECK_CUDA(cudaMemset(delta.ptr, 0, 4 * size_t(B) * N * T));
         std::vector<__nv_bfloat16> host(n);
         std::mt19937 rng(1);
         std::uniform_real_distribution<float> uni(-1.f, 1.f);
         for (auto& x : host) x = __float2bfloat16_rn(uni(rng));
         for (void* dst : {q.ptr, k.ptr, v.ptr, d_o.ptr})
           CHECK_CUDA(cudaMemcpy(dst, host.data(), 2 * n, cudaMemcpyHostToDevice));
-        std::vector<float> lse_host(2 * size_t(B) * N * L, 0.f);  // (hi, lo) = (log2 L, 0)
+        std::vector<float> lse_host(2 * size_t(B) * N * T, 0.f);  // (hi, lo) = (log2 L, 0)
         for (size_t i = 0; i < lse_host.size(); i += 2) lse_host[i] = std::log2(float(L));
         CHECK_CUDA(cudaMemcpy(lse.ptr, lse_host.data(), lse_host.size() * 4, cudaMemcpyHostToDevice));
         AttentionParams p;
         p.dtype = DType::kBF16;
         p.num_inst_dims = 2;
         p.inst_size[0] = B, p.inst_size[1] = N;
-        p.seqlen_q = p.seqlen_k = L, p.head_dim = H;
+        p.seqlen_q = p.seqlen_k = T, p.head_dim = H;
         p.scale = 1.f / std::sqrt(float(H));
         if (causal) p.window_right = 0;
         for (ArrayView* view : {&p.q, &p.k, &p.v, &p.d_o, &p.dq, &p.dk, &p.dv}) {
-          view->inst_stride[0] = int64_t(L) * N * H, view->inst_stride[1] = H;
+          view->inst_stride[0] = int64_t(T) * N * H, view->inst_stride[1] = H;
           view->row_stride = int64_t(N) * H, view->col_stride = 1;
         }
         p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.d_o.data = d_o.ptr;
         p.dq.data = dq.ptr, p.dk.data = dk.ptr, p.dv.data = dv.ptr;
-        set_view(p.lse, lse.ptr, int64_t(N) * L * 2, int64_t(L) * 2, 0, 2, 1);
-        set_view(p.delta, delta.ptr, int64_t(N) * L, L, 0, 1, 0);
-        DeviceBuffer ws(jaxflash::gpu::backward_workspace_bytes(p.num_instances(), L, L, H, p.dtype, false));
+        set_view(p.lse, lse.ptr, int64_t(N) * T * 2, int64_t(T) * 2, 0, 2, 1);
+        set_view(p.delta, delta.ptr, int64_t(N) * T, T, 0, 1, 0);
+        DeviceBuffer ids(only.packed ? 4 * size_t(T) : 0);  // token t in document t / L, both sides
+        if (only.packed) {
+          std::vector<int32_t> host_ids(T);
+          for (int t = 0; t < T; ++t) host_ids[t] = t / L;
+          CHECK_CUDA(cudaMemcpy(ids.ptr, host_ids.data(), 4 * size_t(T), cudaMemcpyHostToDevice));
+          p.flags |= jaxflash::kHasSegmentIds;
+          set_view(p.q_segment_ids, ids.ptr, T, 0, 0, 1, 0);
+          set_view(p.kv_segment_ids, ids.ptr, T, 0, 0, 1, 0);
+        }
+        DeviceBuffer ws(jaxflash::gpu::backward_workspace_bytes(p.num_instances(), T, T, H, p.dtype, only.packed));
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));
         CHECK_CUDA(cudaEventCreate(&stop));
@@ -776,9 +786,10 @@ void bench(const BenchFilter& only) {
         float ms;
         CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
         ms /= iters;
-        const double flops = 10.0 * B * N * double(L) * L * H / (causal ? 2 : 1);  // 2.5x the forward
-        std::printf("  H=%3d %-6s N=%5d  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L, ms,
-                    flops / ms / 1e9);
+        // 2.5x the forward (packed: the same work)
+        const double flops = 10.0 * (16384 / L) * N * double(L) * L * H / (causal ? 2 : 1);
+        std::printf("  H=%3d %-6s N=%5d%s  %8.3f ms  %6.1f TFLOP/s\n", H, causal ? "causal" : "", L,
+                    only.packed ? " packed" : "", ms, flops / ms / 1e9);
 #ifdef JAXFLASH_BWD_TIMELINE
         CHECK_CUDA(jaxflash::gpu::launch_backward(p, ws.ptr, nullptr));  // alone: its CTAs' stamps
         timeline_report();
