@@ -195,8 +195,7 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const BwdRuntime& rt, cu
 template <class T, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const BwdWorkspaceLayout& w,
                          char* base, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(base, 0, static_cast<size_t>(w.zero_bytes), stream);
-  if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   const int64_t instances = p.num_instances();
   const int64_t pre_blocks = (instances * rt.t_pad + kPassThreads - 1) / kPassThreads;
   const int64_t post_blocks = p.seqlen_q > 0 ? instances * rt.q_tiles : 0;
@@ -400,8 +399,12 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
   // The id ranges follow the tiles of the main kernel that runs: the sm_90 kernel's (BLOCK_N
   // 128) or the general variant's (BwdWorkspaceLayout sizes the tables for the latter, the
   // larger).
-  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, base + w.segments_off, rt.segments,
-                                        stream, false, max_q_span)) != cudaSuccess)
+  // The zeroed words first (the CTA counter, the dQ semaphores, the id tables' kernel's
+  // counters), before every kernel that takes from them.
+  if ((err = cudaMemsetAsync(base, 0, static_cast<size_t>(w.zero_bytes), stream)) != cudaSuccess ||
+      (err = launch_segment_tables(p, tiles.block_m, tiles.block_n, base + w.segments_off,
+                                   reinterpret_cast<SegmentTableCounters*>(base + w.table_counters_off),
+                                   rt.segments, stream, false, max_q_span)) != cudaSuccess)
     return err;
 
   switch (p.dtype) {

@@ -102,6 +102,9 @@ struct BwdConfig {
 // no key tile visited (its first semaphore still 0).
 struct BwdWorkspaceLayout {
   int64_t block_m, q_tiles, t_pad, d_pad;
+  // [0, zero_bytes) is zeroed before the kernels run: the CTA counter at 0, the id tables'
+  // kernel's counters at table_counters_off, the dQ semaphores from sems_off.
+  static constexpr int64_t table_counters_off = 128;
   int64_t sems_off, dq_acc_off, lse2_off, lse2_lo_off, delta_off, segments_off, zero_bytes, total_bytes;
 
   static constexpr int64_t align(int64_t x) { return (x + 255) / 256 * 256; }

@@ -137,56 +137,22 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const FwdRuntime& rt, cu
                               [&](auto d) { return launch_forward_instance<T, decltype(d)::value, M>(p, rt, stream); });
 }
 
-// The query tiles' key spans (segment_tiles.h, for the sm_90 kernel's walk): one warp per
-// (instance, query tile), after both range tables (launch_segment_tile_ranges): the first and the last key tile
-// whose range meets the query tile's ({k_tiles, -1} when none), each a ballot over 32 key
-// tiles at a time from its end of the row, stopping at the first that meets.
-__global__ void __launch_bounds__(32 * kSegmentWarps)
-    segment_key_spans(int64_t instances, const IdRange* q_table, int64_t q_tiles, const IdRange* k_table,
-                      int64_t k_tiles, TileSpan* out) {
-  const int lane = threadIdx.x % 32;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kSegmentWarps + threadIdx.x / 32;
-  if (w >= instances * q_tiles) return;
-  const int64_t linear = w / q_tiles;
-  const IdRange query = q_table[w];
-  const IdRange* keys = k_table + linear * k_tiles;
-  TileSpan span{static_cast<int32_t>(k_tiles), -1};
-  for (int64_t j = 0; j < k_tiles; j += 32) {
-    const unsigned met = __ballot_sync(0xffffffffu, j + lane < k_tiles && keys[j + lane].meets(query));
-    if (met != 0) {
-      span.lo = static_cast<int32_t>(j + __ffs(met) - 1);
-      break;
-    }
-  }
-  for (int64_t j = k_tiles - 1; j >= span.lo; j -= 32) {  // (none met: no pass)
-    const unsigned met = __ballot_sync(0xffffffffu, j - lane >= 0 && keys[j - lane].meets(query));
-    if (met != 0) {
-      span.hi = static_cast<int32_t>(j - (__ffs(met) - 1));
-      break;
-    }
-  }
-  if (lane == 0) out[w] = span;
-}
-
-cudaError_t launch_segment_key_spans(const AttentionParams& p, const SegmentTiles& tables, cudaStream_t stream) {
-  const int64_t blocks = (p.num_instances() * tables.q_tiles + kSegmentWarps - 1) / kSegmentWarps;
-  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  segment_key_spans<<<static_cast<unsigned>(blocks), 32 * kSegmentWarps, 0, stream>>>(
-      p.num_instances(), tables.q, tables.q_tiles, tables.k, tables.k_tiles,
-      const_cast<TileSpan*>(tables.key_spans));  // (the forward's scratch; const to the kernels that read it)
-  return cudaGetLastError();
-}
-
-// The workspace: the persistent sm_90 kernel's tile counter (4 bytes at the first 4-byte
-// aligned address: 8 bytes cover any alignment), then the segment ids' tables.
-constexpr int64_t kTileCounterBytes = 8;
+// The workspace: its counters at the first 16-byte aligned address (the persistent sm_90
+// kernel's tile counter, then the segment id tables' kernel's: 16 bytes, which 32 cover at any
+// alignment), zeroed by one memset first; then the segment ids' tables.
+struct FwdCounters {
+  unsigned tile;
+  SegmentTableCounters tables;
+};
+static_assert(sizeof(FwdCounters) == 16);
+constexpr int64_t kCounterBytes = 32;
 
 }  // namespace
 
 int64_t forward_workspace_bytes(int64_t num_instances, int64_t seqlen_q, int64_t seqlen_k, int64_t head_dim,
                                 DType dtype, bool has_segment_ids) {
   const TileShape tiles = general_tiles(head_dim, dtype);
-  return kTileCounterBytes +
+  return kCounterBytes +
          segment_tiles_bytes(has_segment_ids, num_instances, seqlen_q, seqlen_k, tiles.block_m, tiles.block_n);
 }
 
@@ -236,20 +202,27 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
   rt.k_vec = rows_aligned(p, p.k, elem_bytes);
   rt.v_vec = rows_aligned(p, p.v, elem_bytes);
   rt.o_vec = rows_aligned(p, p.o, p.has(kOutputF32) ? 4 : elem_bytes);
-  rt.tile_counter = reinterpret_cast<unsigned*>((reinterpret_cast<uintptr_t>(workspace) + 3) / 4 * 4);
-  char* const segment_scratch = static_cast<char*>(workspace) + kTileCounterBytes;
+  FwdCounters* const counters =
+      reinterpret_cast<FwdCounters*>((reinterpret_cast<uintptr_t>(workspace) + 15) / 16 * 16);
+  rt.tile_counter = &counters->tile;
+  char* const segment_scratch = static_cast<char*>(workspace) + kCounterBytes;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&rt.sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = choose_sm90(p, rt, device);
   if (err != cudaSuccess) return err;
-  // The id ranges follow the tiles of the kernel that runs.
+  // The counters that the persistent kernel and the id tables' kernel take from (no host
+  // synchronisation: zeroed on the stream).
+  if ((rt.sm90 || p.has(kHasSegmentIds)) &&
+      (err = cudaMemsetAsync(counters, 0, sizeof(FwdCounters), stream)) != cudaSuccess)
+    return err;
+  // The id ranges follow the tiles of the kernel that runs; the sm_90 kernel's walk also takes
+  // the query tiles' key spans.
   const TileShape tiles =
       rt.sm90 ? sm90_shape(p.head_dim, fwd_sm90_mods(p, rt), rt.sm90_wide_keys).tiles
               : general_tiles(p.head_dim, p.dtype);
-  if ((err = launch_segment_tile_ranges(p, tiles.block_m, tiles.block_n, segment_scratch, rt.segments, stream,
-                                        rt.sm90)) != cudaSuccess ||
-      (rt.segments.key_spans != nullptr && (err = launch_segment_key_spans(p, rt.segments, stream)) != cudaSuccess))
+  if ((err = launch_segment_tables(p, tiles.block_m, tiles.block_n, segment_scratch, &counters->tables,
+                                   rt.segments, stream, rt.sm90)) != cudaSuccess)
     return err;
 
 #ifdef JAXFLASH_FWD_TIMELINE

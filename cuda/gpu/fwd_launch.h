@@ -20,7 +20,7 @@ namespace jaxflash::gpu {
 // Cfg's kernel over every (query tile, instance), in fwd_schedule.h's order: one
 // CTA per tile (the mma.sync kernel), or with kPersistent one CTA per SM, at most
 // one per tile, that takes tiles in turn from the counter in the workspace
-// (rt.tile_counter, zeroed here on the stream first: no host synchronisation).
+// (rt.tile_counter, which forward.cu zeroed on the stream first).
 template <class Cfg, bool kPersistent = false, class Kernel>
 cudaError_t launch_query_tiles(Kernel* kernel, const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream) {
   constexpr int kSmem = Cfg::kSmemBytes;
@@ -37,11 +37,7 @@ cudaError_t launch_query_tiles(Kernel* kernel, const AttentionParams& p, const F
   grid_rt.tiles = static_cast<int>(blocks);
   grid_rt.instances = static_cast<int>(p.num_instances());
   int64_t grid = blocks;
-  if constexpr (kPersistent) {
-    grid = std::min<int64_t>(blocks, std::max(rt.sms, 1));
-    const cudaError_t err = cudaMemsetAsync(rt.tile_counter, 0, sizeof(*rt.tile_counter), stream);
-    if (err != cudaSuccess) return err;
-  }
+  if constexpr (kPersistent) grid = std::min<int64_t>(blocks, std::max(rt.sms, 1));
   kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, kSmem, stream>>>(p, grid_rt);
   return cudaGetLastError();
 }

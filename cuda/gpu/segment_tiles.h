@@ -35,7 +35,7 @@ struct SegmentTiles {
   // (the forward's walk, which then scans no tile outside them: under causal packing the
   // visible range reaches back to the row's first key); null where not asked for.
   const TileSpan* key_spans = nullptr;
-  // The backward's key order check (launch_segment_tile_ranges): nonzero where some key tile
+  // The backward's key order check (launch_segment_tables): nonzero where some key tile
   // meets query tiles further apart than the launcher's limit; null where nothing was checked.
   const int* span_exceeded = nullptr;
 
