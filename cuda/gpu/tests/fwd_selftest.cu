@@ -359,15 +359,8 @@ void bench(const BenchFilter& only = {}) {
         }
         p.q.data = q.ptr, p.k.data = k.ptr, p.v.data = v.ptr, p.o.data = o.ptr;
         set_view(p.lse, lse.ptr, int64_t(N) * T * 2, int64_t(T) * 2, 0, 2, 1);
-        DeviceBuffer ids(only.packed ? 4 * size_t(T) : 0);  // token t in document t / L, both sides
-        if (only.packed) {
-          std::vector<int32_t> host_ids(T);
-          for (int t = 0; t < T; ++t) host_ids[t] = t / L;
-          CHECK_CUDA(cudaMemcpy(ids.ptr, host_ids.data(), 4 * size_t(T), cudaMemcpyHostToDevice));
-          p.flags |= jaxflash::kHasSegmentIds;
-          set_view(p.q_segment_ids, ids.ptr, T, 0, 0, 1, 0);
-          set_view(p.kv_segment_ids, ids.ptr, T, 0, 0, 1, 0);
-        }
+        DeviceBuffer ids(only.packed ? 4 * size_t(T) : 0);
+        if (only.packed) set_packed_ids(p, ids, T, L);
         DeviceBuffer ws(jaxflash::gpu::forward_workspace_bytes(p.num_instances(), T, T, H, p.dtype, only.packed));
         cudaEvent_t start, stop;
         CHECK_CUDA(cudaEventCreate(&start));

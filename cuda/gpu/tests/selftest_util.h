@@ -176,6 +176,17 @@ struct BenchFilter {
   }
 };
 
+// The packed bench's ids (BenchFilter::packed): token t of the row of T in document t / doc_len,
+// on both sides, written to `ids` (4 T bytes) and set as p's segment ids.
+inline void set_packed_ids(AttentionParams& p, DeviceBuffer& ids, int T, int doc_len) {
+  std::vector<int32_t> host_ids(T);
+  for (int t = 0; t < T; ++t) host_ids[t] = t / doc_len;
+  CHECK_CUDA(cudaMemcpy(ids.ptr, host_ids.data(), 4 * size_t(T), cudaMemcpyHostToDevice));
+  p.flags |= jaxflash::kHasSegmentIds;
+  set_view(p.q_segment_ids, ids.ptr, T, 0, 0, 1, 0);
+  set_view(p.kv_segment_ids, ids.ptr, T, 0, 0, 1, 0);
+}
+
 // argv of `SELFTEST bench-only [D N causal|full [packed]]`: whether it is that mode, and the filter.
 inline bool bench_only(int argc, char** argv, BenchFilter* only) {
   if (argc < 2 || std::string(argv[1]) != "bench-only") return false;
