@@ -193,15 +193,14 @@ cudaError_t dispatch_head_dim(const AttentionParams& p, const BwdRuntime& rt, cu
 }
 
 template <class T, F32Mma M = F32Mma::kTf32>
-cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, const BwdWorkspaceLayout& w,
-                         char* base, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
+cudaError_t launch_typed(const AttentionParams& p, const BwdRuntime& rt, cudaStream_t stream) {
   const int64_t instances = p.num_instances();
   const int64_t pre_blocks = (instances * rt.t_pad + kPassThreads - 1) / kPassThreads;
   const int64_t post_blocks = p.seqlen_q > 0 ? instances * rt.q_tiles : 0;
   if (pre_blocks > INT_MAX || post_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   if (pre_blocks > 0) backward_prepass<<<static_cast<unsigned>(pre_blocks), kPassThreads, 0, stream>>>(p, rt);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   if ((err = dispatch_head_dim<T, M>(p, rt, stream)) != cudaSuccess) return err;
   // dq's elements: float32 with a scale operand (the scaled query's gradient), else T.
   const int dq_bytes = p.has(kScaleOperand) ? 4 : static_cast<int>(sizeof(T));
@@ -408,11 +407,11 @@ cudaError_t launch_backward(const AttentionParams& p, void* workspace, cudaStrea
     return err;
 
   switch (p.dtype) {
-    case DType::kF16: return launch_typed<__half>(p, rt, w, base, stream);
-    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, rt, w, base, stream);
+    case DType::kF16: return launch_typed<__half>(p, rt, stream);
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, rt, stream);
     default:  // kF32 (dtype_bytes checked it)
-      return p.has(kExactF32) ? launch_typed<float, F32Mma::k3xTf32>(p, rt, w, base, stream)
-                              : launch_typed<float>(p, rt, w, base, stream);
+      return p.has(kExactF32) ? launch_typed<float, F32Mma::k3xTf32>(p, rt, stream)
+                              : launch_typed<float>(p, rt, stream);
   }
 }
 

@@ -31,8 +31,8 @@ struct SegmentTableCounters {
 };
 
 // One launch's tasks: CTAs [0, q_ctas) the query tiles' ranges, the next k_ctas the key
-// tiles', the next span_ctas the query tiles' key spans (the forward's), kSegmentWarps tiles
-// (one per warp) each.
+// tiles', the rest (where `spans` is set) the query tiles' key spans, kSegmentWarps tiles (one
+// per warp) each.
 struct SegmentTableJob {
   IdRange* q;
   IdRange* k;
@@ -41,7 +41,7 @@ struct SegmentTableJob {
   SegmentTableCounters* counters;
   int64_t q_tiles, k_tiles, max_q_span;
   int q_rows, k_rows;
-  unsigned q_ctas, k_ctas, span_ctas;
+  unsigned q_ctas, k_ctas;
 };
 
 namespace segment_tables_detail {
@@ -204,7 +204,6 @@ inline cudaError_t launch_segment_tables(const AttentionParams& p, int q_rows, i
   const int64_t ctas = q_ctas + k_ctas + (key_spans ? q_ctas : 0);
   if (ctas > INT_MAX) return cudaErrorInvalidConfiguration;
   job.q_ctas = static_cast<unsigned>(q_ctas), job.k_ctas = static_cast<unsigned>(k_ctas);
-  job.span_ctas = key_spans ? job.q_ctas : 0u;
   tiles.q = job.q, tiles.k = job.k, tiles.key_spans = job.spans, tiles.span_exceeded = job.span_exceeded;
   tiles.q_tiles = layout.q_tiles, tiles.k_tiles = layout.k_tiles;
   segment_tables<kSegmentWarps><<<static_cast<unsigned>(ctas), 32 * kSegmentWarps, 0, stream>>>(p, job);
