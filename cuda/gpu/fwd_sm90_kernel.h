@@ -107,6 +107,7 @@ struct FwdSm90Config {
   static constexpr bool kSeparateO = Tiles::kSeparateO;
   static constexpr int kTileSlots = Tiles::kTileSlots;
   static constexpr int kExp2PolyEvery = Tiles::kExp2PolyEvery;
+  static constexpr bool kSoftmaxBesidePv = Tiles::kSoftmaxBesidePv;
   static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
   static_assert(kBlockM % 64 == 0 && (!kPingPong || kConsumers == 2), "turns between two consumers");
   static constexpr int kConsumerThreads = 128 * kConsumers;

@@ -19,7 +19,9 @@
 // together, then computes the softmax of S_r while the second product runs,
 // and only then rescales O (the product had to finish first) and turns S_r
 // into the next round's P. So the tensor cores always have the next product
-// queued while the softmax runs (FlashAttention-3's intra-warpgroup overlap).
+// queued while the softmax runs (FlashAttention-3's intra-warpgroup overlap; the
+// wait for P V needs wgmma_wait_in_order to stay below the exp2s, and the copies of
+// three consumers run without it: tile_size.h's kSoftmaxBesidePv).
 // With kPingPong the two warpgroups also take turns to issue their products,
 // so one's softmax runs while the other's products do.
 //
@@ -476,7 +478,10 @@ __device__ __forceinline__ void forward_sm90_consume(const AttentionParams& p, c
       end_turn(false);
       wgmma_wait<1>();
       softmax(r, n0, mask_step);
-      wgmma_wait<0>();
+      if constexpr (Cfg::kSoftmaxBesidePv)
+        wgmma_wait_in_order<0>(static_cast<uint32_t>(p.seqlen_k));
+      else
+        wgmma_wait<0>();
       pv_done(r - 1);
       rescale_row(o, 0, 0, alpha[0]);
       rescale_row(o, 0, 1, alpha[1]);

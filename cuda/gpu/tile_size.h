@@ -174,6 +174,13 @@ struct FwdSm90TileSize {
   static constexpr bool kSkipUnseen = kThreeConsumers;      // (above: D = 64)
   static constexpr bool kSplitMaskLoops = kThreeConsumers || (D == 128 && kMods == FwdMods::kSegmentIds);
   static constexpr int kExp2PolyEvery = kMods == FwdMods::kSoftCap ? 4 : 0;  // (above)
+  // Whether a round's softmax runs beside its own warpgroup's P V (fwd_sm90_mainloop.h: the
+  // wait for P V kept below the exp2s by wgmma_wait_in_order, primitives/wgmma.h; before,
+  // ptxas put it above them in every copy). Against the wait above them (H200, bf16, kernel
+  // alone, fwd_selftest bench, 2 alternating rounds, 2026-11-29): D = 128 1.01-1.03 (16k
+  // 0.97), D = 256 1.01-1.04; but the copies of three consumers (D = 64, 160 registers, no
+  // turns) lost 2-5%, and their dropout copy spilled 504 / 564 B against 28 / 52: not there.
+  static constexpr bool kSoftmaxBesidePv = !kThreeConsumers;
 };
 
 // A tile slot's bytes (fwd_sm90_mainloop.h's FwdTileSlot): the tile's index, and in the copies

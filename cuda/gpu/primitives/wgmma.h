@@ -110,6 +110,17 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
+// wgmma_wait<N>, kept below the work that program order puts before it. ptxas
+// schedules a wgmma wait near the top of its basic block, above independent
+// instructions: the forward's wait for P V went above the softmax's exp2s it was
+// meant to overlap, in every sm_90 copy (SASS), so that a warpgroup's softmax never
+// ran beside its own product. A branch ptxas cannot fold ends the block first:
+// `opaque` is any value unknown at compile time; its no-op is harmless if it runs.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_in_order(uint32_t opaque) {
+  if (opaque == 0xffffffffu) asm volatile("nanosleep.u32 0;\n");
+  wgmma_wait<N>();
+}
 template <int NF>
 __device__ __forceinline__ void hold_acc(float (&d)[1][NF][4]) {
 #pragma unroll
