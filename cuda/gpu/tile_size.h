@@ -177,9 +177,10 @@ struct FwdSm90TileSize {
   // Whether a round's softmax runs beside its own warpgroup's P V (fwd_sm90_mainloop.h: the
   // wait for P V kept below the exp2s by wgmma_wait_in_order, primitives/wgmma.h; before,
   // ptxas put it above them in every copy). Against the wait above them (H200, bf16, kernel
-  // alone, fwd_selftest bench, 2 alternating rounds, 2026-11-29): D = 128 1.01-1.03 (16k
-  // 0.97), D = 256 1.01-1.04; but the copies of three consumers (D = 64, 160 registers, no
-  // turns) lost 2-5%, and their dropout copy spilled 504 / 564 B against 28 / 52: not there.
+  // alone, fwd_selftest bench, 3 alternating rounds, 2026-11-29): D = 128 1.01-1.03 (16k
+  // 0.99-1.00), D = 256 1.01-1.07. The copies of three consumers (D = 64, 160 registers, no
+  // turns) lost 2-5% with it (2 rounds), and their dropout copy spilled 504 / 564 B against
+  // 28 / 52: not there.
   static constexpr bool kSoftmaxBesidePv = !kThreeConsumers;
 };
 
