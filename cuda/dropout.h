@@ -40,14 +40,17 @@
 
 namespace jaxflash {
 
-JF_HOST_DEVICE uint32_t dropout_mix(uint32_t x) {
-  x ^= x >> 16;
+// mix's first step, x ^ (x >> 16), is linear over xor: first(a ^ b) = first(a) ^ first(b),
+// so a kernel applies it to a row's key and a pair's term apart (each once for many hashes).
+JF_HOST_DEVICE uint32_t dropout_mix_first(uint32_t x) { return x ^ (x >> 16); }
+JF_HOST_DEVICE uint32_t dropout_mix_rest(uint32_t x) {
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x846CA68Bu;
   x ^= x >> 16;
   return x;
 }
+JF_HOST_DEVICE uint32_t dropout_mix(uint32_t x) { return dropout_mix_rest(dropout_mix_first(x)); }
 
 JF_HOST_DEVICE uint32_t dropout_row_key(uint32_t seed0, uint32_t seed1, int64_t t) {
   return dropout_mix(dropout_mix(static_cast<uint32_t>(t) + seed0) ^ seed1);
@@ -59,8 +62,11 @@ JF_HOST_DEVICE uint32_t dropout_pair(int64_t s) {
   return (u >> 4 << 3) | (u & 7u);
 }
 
+// A pair's term in its hash (its multiple of the golden ratio): pair_term(a + b) =
+// pair_term(a) + pair_term(b), so a kernel forms a block's terms from one product.
+JF_HOST_DEVICE uint32_t dropout_pair_term(uint32_t pair) { return pair * 0x9E3779B9u; }
 JF_HOST_DEVICE uint32_t dropout_pair_bits(uint32_t row_key, uint32_t pair) {
-  return dropout_mix(row_key ^ (pair * 0x9E3779B9u));
+  return dropout_mix(row_key ^ dropout_pair_term(pair));
 }
 
 // The decisions a pair's hash makes: for its lower key (s % 16 < 8) and its upper one.

@@ -206,7 +206,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&pr)[Cfg::kSMF][Cfg::kS
         const float pv = pr[mf][nf][i];
         const float dp = ds[mf][nf][i] * (keep ? p.keep_scale : 0.f);
         ds[mf][nf][i] = pv != 0.f ? pv * (dp - delta[mf][i >> 1]) : 0.f;
-        pr[mf][nf][i] *= keep ? 1.f : 0.f;
+        if (!keep) pr[mf][nf][i] *= 0.f;
       });
       apply_slope();
       return;

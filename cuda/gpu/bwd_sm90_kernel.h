@@ -435,10 +435,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const InstanceIndex inst(p, linear);
       const float alibi2 = kMods ? kLog2e * alibi_slope(p, linear) : 0.f;
       // Dropout: the pair (cuda/dropout.h) of the lane's keys s and s + 8 (warp_key0 is a
-      // multiple of 16, and so is the block's column offset); the rows' keys come with the tile.
-      const uint32_t key_pair = Cfg::kDropout ? make_dropout_key(p, inst.origin<const uint32_t>(p, p.seed))
-                                                    .pair(n0 + warp_key0 + frag_row(0, 0, lane))
-                                              : 0u;
+      // multiple of 16, and so is the block's column offset), as its term after the hash's
+      // first step; the rows' keys come with the tile, their first step taken (dropout_mix_first
+      // is linear over xor).
+      const uint32_t key_first =
+          Cfg::kDropout ? dropout_mix_first(dropout_pair_term(make_dropout_key(p, inst.origin<const uint32_t>(p, p.seed))
+                                                                  .pair(n0 + warp_key0 + frag_row(0, 0, lane))))
+                        : 0u;
       // Segment ids (kSegmentIds): the queries' come with the tile (row words), the lane's
       // two key rows' are loaded here (keys past S are masked by position).
       const bool ids = kIds && rt.segments.q != nullptr;
@@ -588,9 +591,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const float2 dl = *reinterpret_cast<const float2*>(delta + col);
             uint32_t bits[2] = {};
             if constexpr (Cfg::kDropout) {
-              const uint2 rk = *reinterpret_cast<const uint2*>(tile_row_words + col);
-              bits[0] = dropout_pair_bits(rk.x, key_pair);
-              bits[1] = dropout_pair_bits(rk.y, key_pair);
+              const uint2 row_first = *reinterpret_cast<const uint2*>(tile_row_words + col);
+              bits[0] = dropout_mix_rest(row_first.x ^ key_first);
+              bits[1] = dropout_mix_rest(row_first.y ^ key_first);
             }
   #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -600,7 +603,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 const bool keep = e < 2 ? dropout_keep_lower(bits[e & 1], p.keep_threshold)
                                         : dropout_keep_upper(bits[e & 1], p.keep_threshold);
                 dpv *= keep ? p.keep_scale : 0.f;  // products with 0: NaN stays NaN (primitives/dropout.h)
-                s[0][nf][e] *= keep ? 1.f : 0.f;
+                if (!keep) s[0][nf][e] *= 0.f;  // (a predicated product: one instruction, not two)
               }
               dp[0][nf][e] = pv != 0.f ? pv * (dpv - (e & 1 ? dl.y : dl.x)) : 0.f;
             }

@@ -270,7 +270,7 @@ __device__ __forceinline__ void load_item(const AttentionParams& p, const BwdRun
         uint32_t* const words = stages.row_words(st.index);
 #pragma unroll
         for (int row = lane; row < BM; row += 32) {
-          if constexpr (Cfg::kDropout) words[row] = dropout.row_key(m0 + row);
+          if constexpr (Cfg::kDropout) words[row] = dropout_mix_first(dropout.row_key(m0 + row));  // (the hash's first step)
           else if (plan.id_test)  // (the queries' ids: read by the consumers' test alone)
             words[row] = m0 + row < p.seqlen_q ? __ldg(q_ids + (m0 + row) * p.q_segment_ids.row_stride) : 0;
         }

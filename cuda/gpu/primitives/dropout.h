@@ -34,16 +34,30 @@ template <int NF, int MF, class F>
 __device__ __forceinline__ void for_each_dropout_decision(const DropoutKey& dropout, const FragRowKeys<MF>& rows,
                                                           int64_t col0, int lane, F&& f) {
   if constexpr (NF % 2 == 0) {
+    // Fragment 2j's key is 16 j + frag_col(0, c, lane) past col0, so with col0 (and the
+    // block's column offset) a multiple of 16 its pair is dropout.pair(col0) + 8 j + that of
+    // frag_col(0, c, lane) < 8: the terms are the block's plus constants, one product a
+    // block instead of one a pair (the pair's shifts and product were ~8% of the dropout
+    // copy's instructions between the sm_90 forward's waits).
+    // The hash's first step taken apart (cuda/dropout.h's dropout_mix_first): once a row and
+    // once a pair instead of once a hash.
+    const uint32_t block_term = dropout_pair_term(dropout.pair(col0));
+    uint32_t row_first[MF][2];
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_first[mf][h] = dropout_mix_first(rows.key[mf][h]);
 #pragma unroll
     for (int j = 0; j < NF / 2; ++j)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const uint32_t pair = dropout.pair(col0 + frag_col(2 * j, c, lane));
+        const uint32_t term_first = dropout_mix_first(
+            block_term + dropout_pair_term(8u * j) + dropout_pair_term(dropout_pair(frag_col(0, c, lane))));
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const uint32_t bits = dropout_pair_bits(rows.key[mf][h], pair);
+            const uint32_t bits = dropout_mix_rest(row_first[mf][h] ^ term_first);
             f(mf, 2 * j, 2 * h + c, dropout_keep_lower(bits, dropout.threshold));
             f(mf, 2 * j + 1, 2 * h + c, dropout_keep_upper(bits, dropout.threshold));
           }
@@ -69,7 +83,7 @@ template <int MF, int NF>
 __device__ __forceinline__ void drop_probabilities(float (&p)[MF][NF][4], const DropoutKey& dropout,
                                                    const FragRowKeys<MF>& rows, int64_t col0, int lane) {
   for_each_dropout_decision<NF>(dropout, rows, col0, lane, [&](int mf, int nf, int i, bool keep) {
-    p[mf][nf][i] *= keep ? 1.f : 0.f;
+    if (!keep) p[mf][nf][i] *= 0.f;  // (a predicated product: one instruction where keep ? 1 : 0 took two)
   });
 }
 
