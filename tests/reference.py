@@ -65,9 +65,13 @@ ATOL_FACTOR = {"float32": 1e-5, "tensorfloat32": 1e-4, "float16": 1e-3, "bfloat1
 # jit, flax adapters): identical up to summation order, i.e. one rounding in the dtype.
 SAME_KERNEL_TOL = {"float32": (1e-5, 1e-6), "float16": (1e-3, 1e-3), "bfloat16": (8e-3, 8e-3),
                    # float32 on tf32 tensor cores (compute_name) when the two runs' shapes differ
-                   # (a device's shard against the whole): the CUDA backward picks its work split
-                   # by shape, so a GQA group's dK adds in another order, each term tf32-rounded.
-                   "tensorfloat32": (1e-4, 1e-5)}
+                   # (a device's shard against the whole): the CUDA kernels pick their work split
+                   # by shape, so sums add in another order, and a value one float32 rounding
+                   # away (the forward's O, so delta, so dS) may round to the neighbouring tf32
+                   # value before its product: one tf32 rounding (2^-11 relative) of that term.
+                   # Seen on 2 H200s: one key row of a GQA dK off by 1.6e-3 relative, 1.7e-4
+                   # absolute at |dK| <= 3.1 (2026-11-29).
+                   "tensorfloat32": (1e-3, 1e-4)}
 
 GRAD_NAMES = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias",
               "alibi_slopes": "dslopes", "scale": "dscale"}

@@ -257,9 +257,10 @@ CASES = {
     "sequence_dropout_causal_contiguous": ShardCase(
         False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2, T=128,
         S=128, options=(("dropout_rate", 0.1), ("is_causal", True)), local=False, ring=True),
-    # Blocks of 8 split them in either order: no ring, XLA gathers the sequence.
+    # Blocks of 8 (2 devices; of 2 on 8) split them in either order: no ring, XLA gathers the
+    # sequence.
     "sequence_dropout_gathered": ShardCase(
-        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2,
+        False, dict(query=P(None, "x"), key=P(None, "x"), value=P(None, "x")), B=2, T=16, S=16,
         options=(("dropout_rate", 0.2), ("is_causal", True)), local=False, gathered=True),
     # GQA with q's heads split finer than the kv heads (2 kv heads over 4 devices: JAX's
     # IndivisibleError before): K/V replicated, each device reads the kv head its query heads
