@@ -9,6 +9,10 @@
           between the two outputs.
   window  the same with a causal sliding window (default 4096 tokens): the ring stops after
           the blocks the window reaches (one step behind at 2 GPUs, contiguous order).
+  packed  the same sequence as documents of random lengths (default 1k-16k tokens, seeded)
+          packed one after another: segment ids (sharded with the sequence, the key ids
+          travelling with their K/V block) and causal. jaxflash only: jax.nn takes no
+          segment ids.
 
 Every time is the median of --repeats synchronised calls of a jitted forward + backward
 (the loss is the sum of the output) after a warm-up call. Run: python benchmarks/multi_device.py
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +33,18 @@ import jaxflash
 from jaxflash.bench import footprint_bytes, median_seconds
 
 
-def grad_fn(attention, options):
-  def loss(q, k, v):
-    return jnp.sum(attention(q, k, v, **options).astype(jnp.float32))
+# Array options (segment ids) come after q, k, v as arguments, sharded like the sequence, so
+# that they are not constants of the compiled program; `options` holds the others.
+def grad_fn(attention, options, array_names=()):
+  def loss(q, k, v, *arrays):
+    out = attention(q, k, v, **options, **dict(zip(array_names, arrays)))
+    return jnp.sum(out.astype(jnp.float32))
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def forward_fn(attention, options):
-  return jax.jit(lambda q, k, v: attention(q, k, v, **options))
+def forward_fn(attention, options, array_names=()):
+  return jax.jit(lambda q, k, v, *arrays: attention(q, k, v, **options,
+                                                    **dict(zip(array_names, arrays))))
 
 
 CAUSAL = dict(is_causal=True)
@@ -74,25 +83,46 @@ def batch_scaling(devices, per_device_batch, seqlen, heads, head_dim, dtype, rep
   return rows
 
 
-def ring_scaling(devices, seqlen, heads, head_dim, dtype, repeats, options):
+def ring_scaling(devices, seqlen, heads, head_dim, dtype, repeats, options, arrays=None,
+                 paths=PATHS):
+  """`arrays`: (1, seqlen) options by name (segment ids), sharded like the sequence."""
   n = len(devices)
+  arrays = arrays or {}
   one = jax.sharding.SingleDeviceSharding(devices[0])
   mesh = jax.sharding.Mesh(np.asarray(devices), ("seq",))
   shape = (1, seqlen, heads, head_dim)
-  args1 = operands(shape, dtype, one)
-  args_n = operands(shape, dtype, NamedSharding(mesh, P(None, "seq")))
+  names = tuple(arrays)
+  args1 = operands(shape, dtype, one) + [jax.device_put(a, one) for a in arrays.values()]
+  args_n = (operands(shape, dtype, NamedSharding(mesh, P(None, "seq"))) +
+            [jax.device_put(a, NamedSharding(mesh, P(None, "seq"))) for a in arrays.values()])
   rows = []
   for direction, make in (("forward", forward_fn), ("fwd+bwd", grad_fn)):
-    for name, attention in PATHS.items():
-      t1, m1 = timed(make(attention, options), args1, repeats)
-      tn, mn = timed(make(attention, options), args_n, repeats)
+    for name, attention in paths.items():
+      t1, m1 = timed(make(attention, options, names), args1, repeats)
+      tn, mn = timed(make(attention, options, names), args_n, repeats)
       eff = t1 / (n * tn) if isinstance(t1, float) and isinstance(tn, float) else None
       rows.append((direction, name, t1, tn, eff, m1, mn))  # memory_analysis: per device
-  out1 = forward_fn(jaxflash.attention, options)(*args1)
-  out_n = forward_fn(jaxflash.attention, options)(*args_n)
+  # What the sharded program communicates: the ring's collective-permutes, and no all-gather
+  # or all-to-all of the sequence.
+  hlo = forward_fn(jaxflash.attention, options, names).lower(*args_n).compile().as_text()
+  hlo += grad_fn(jaxflash.attention, options, names).lower(*args_n).compile().as_text()
+  ops = {op: len(re.findall(rf"= [^=]* {op}(-start)?\(", hlo))
+         for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce")}
+  out1 = forward_fn(jaxflash.attention, options, names)(*args1)
+  out_n = forward_fn(jaxflash.attention, options, names)(*args_n)
   diff = float(jnp.max(jnp.abs(jax.device_put(out_n, one).astype(jnp.float32) -
                                out1.astype(jnp.float32))))
-  return rows, diff
+  return rows, diff, ops
+
+
+def packed_lengths(total, shortest, longest, seed=0):
+  """Document lengths drawn uniformly from [shortest, longest] until they fill `total` (the
+  last one cut to fit)."""
+  rng = np.random.default_rng(seed)
+  lengths = []
+  while sum(lengths) < total:
+    lengths.append(int(min(rng.integers(shortest, longest + 1), total - sum(lengths))))
+  return lengths
 
 
 def fmt_t(t):
@@ -105,6 +135,8 @@ def main(argv=None) -> int:
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--window", type=int, default=4096, help="sliding window: tokens back")
+  parser.add_argument("--doc-lengths", default="1024,16384",
+                      help="packed: the documents' shortest and longest length (tokens)")
   parser.add_argument("--batch-seqlen", type=int, default=4096)
   parser.add_argument("--per-device-batch", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=10)
@@ -122,11 +154,19 @@ def main(argv=None) -> int:
     print(f"{name:10s} {fmt_t(t1):>12s} {fmt_t(tn):>12s} "
           f"{'' if eff is None else f'{eff:10.2f}':>11s}")
 
-  for title, options in (("causal", CAUSAL),
-                         (f"causal, window {args.window}",
-                          dict(is_causal=True, local_window_size=(args.window, 0)))):
-    rows, diff = ring_scaling(devices, args.seqlen, args.heads, args.head_dim, dtype,
-                              args.repeats, options)
+  shortest, longest = (int(x) for x in args.doc_lengths.split(","))
+  lengths = packed_lengths(args.seqlen, shortest, longest)
+  q_ids, kv_ids = jaxflash.segment_ids_from_lengths(jnp.asarray(lengths)[None], args.seqlen)
+  scenarios = (
+      ("causal", CAUSAL, None, PATHS),
+      (f"causal, window {args.window}", dict(is_causal=True, local_window_size=(args.window, 0)),
+       None, PATHS),
+      (f"causal, {len(lengths)} packed documents of {min(lengths)}-{max(lengths)} tokens "
+       f"(segment ids)", CAUSAL, dict(query_segment_ids=q_ids, key_value_segment_ids=kv_ids),
+       {"jaxflash": jaxflash.attention}))
+  for title, options, arrays, paths in scenarios:
+    rows, diff, ops = ring_scaling(devices, args.seqlen, args.heads, args.head_dim, dtype,
+                              args.repeats, options, arrays, paths)
     print(f"\nsequence sharding (strong scaling): 1 x {args.seqlen} tokens, {title}")
     print(f"{'pass':8s} {'path':10s} {'1 GPU':>12s} {f'{len(devices)} GPUs':>12s} "
           f"{'efficiency':>11s} {'GiB/GPU 1':>10s} {f'GiB/GPU {len(devices)}':>10s}")
@@ -135,6 +175,8 @@ def main(argv=None) -> int:
       print(f"{direction:8s} {name:10s} {fmt_t(t1):>12s} {fmt_t(tn):>12s} "
             f"{'' if eff is None else f'{eff:10.2f}':>11s} {gib(m1):>10s} {gib(mn):>10s}")
     print(f"max |out({len(devices)} GPUs) - out(1 GPU)| = {diff:.3g} (bf16 output)")
+    print(f"jaxflash's {len(devices)}-GPU programs (forward, fwd+bwd) hold: " +
+          ", ".join(f"{count} {op}" for op, count in ops.items()))
   return 0
 
 
