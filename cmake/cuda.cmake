@@ -8,9 +8,10 @@ set(CMAKE_CUDA_ARCHITECTURES ${JAXFLASH_CUDA_BUILD_ARCHITECTURES})
 
 # The kernel instances: every (direction, variant, head dim), one generated translation unit
 # each (cuda/gpu/instance.cu.in). A variant is a storage type and, for float32, the MMA
-# flavour: f32 runs tf32 products, f32x3 the float32-accurate 3xTF32 ones.
+# flavour: f32 runs tf32 products, f32x3 the float32-accurate 3xTF32 ones, and f32p (forward
+# only) tf32 ones with P whole in P.V, for the differentiated forward (primitives/mma.h).
 set(JAXFLASH_HEAD_DIMS 32 64 96 128 192 256)
-set(variant_types bf16:__nv_bfloat16 f16:__half f32:float f32x3:float)
+set(variant_types bf16:__nv_bfloat16 f16:__half f32:float f32x3:float f32p:float)
 set(instance_sources_forward "")
 set(instance_sources_backward "")
 foreach(DIRECTION IN ITEMS forward backward)
@@ -26,10 +27,15 @@ foreach(DIRECTION IN ITEMS forward backward)
     string(REPLACE ":" ";" variant_type "${variant_type}")
     list(GET variant_type 0 VARIANT)
     list(GET variant_type 1 type)
+    if(VARIANT STREQUAL "f32p" AND NOT DIRECTION STREQUAL "forward")
+      continue()
+    endif()
     foreach(HEAD_DIM IN LISTS JAXFLASH_HEAD_DIMS)
       set(INSTANCE_ARGS "${type}, ${HEAD_DIM}")
       if(VARIANT STREQUAL "f32x3")
         string(APPEND INSTANCE_ARGS ", F32Mma::k3xTf32")
+      elseif(VARIANT STREQUAL "f32p")
+        string(APPEND INSTANCE_ARGS ", F32Mma::kTf32WholeP")
       endif()
       set(source ${CMAKE_CURRENT_BINARY_DIR}/instances/${prefix}_${VARIANT}_d${HEAD_DIM}.cu)
       configure_file(${CMAKE_CURRENT_SOURCE_DIR}/cuda/gpu/instance.cu.in ${source} @ONLY)

@@ -22,7 +22,8 @@
 
 namespace jaxflash::gpu {
 
-// Defined in the generated fwd_<dtype>_d<D>.cu (3xTF32: fwd_f32x3_d<D>.cu; cmake/cuda.cmake).
+// Defined in the generated fwd_<dtype>_d<D>.cu (3xTF32: fwd_f32x3_d<D>.cu; P whole:
+// fwd_f32p_d<D>.cu; cmake/cuda.cmake).
 template <class T, int D, F32Mma M = F32Mma::kTf32>
 cudaError_t launch_forward_instance(const AttentionParams& p, const FwdRuntime& rt, cudaStream_t stream);
 
@@ -233,8 +234,10 @@ cudaError_t launch_forward(const AttentionParams& p, void* workspace, cudaStream
     case DType::kF16: return dispatch_head_dim<__half>(p, rt, stream);
     case DType::kBF16: return dispatch_head_dim<__nv_bfloat16>(p, rt, stream);
     default:  // kF32 (dtype_bytes checked it)
-      return p.has(kExactF32) ? dispatch_head_dim<float, F32Mma::k3xTf32>(p, rt, stream)
-                              : dispatch_head_dim<float>(p, rt, stream);
+      // (kOutputF32: the differentiated forward, whose P goes into P.V whole; mma.h's PvOps)
+      return p.has(kExactF32)    ? dispatch_head_dim<float, F32Mma::k3xTf32>(p, rt, stream)
+             : p.has(kOutputF32) ? dispatch_head_dim<float, F32Mma::kTf32WholeP>(p, rt, stream)
+                                 : dispatch_head_dim<float>(p, rt, stream);
   }
 }
 

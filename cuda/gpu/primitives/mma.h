@@ -61,9 +61,19 @@ struct PvOps<__nv_bfloat16, M> : PvOps16<__nv_bfloat16> {};
 // to tf32 rather than left for the hardware to truncate (kTf32), or split into
 // big + small tf32 parts (k3xTf32): tf32_operand (ptx.h) turns each raw fp32
 // word into its fragment word(s).
+//
+// The differentiated forward (kTf32WholeP) takes P whole too: big + small tf32 parts, and P.V
+// as small P.V + big P.V on tf32 V (one more MMA per k-step). With P rounded, O = sum P~ V
+// while the backward's dS = P (dP - delta) takes delta = rowsum(dO O) as sum P dP: the residue
+// sum (P~ - P) dP, up to 2^-11 of |dP| a row, went into every dS of the row, and dq (a sum of
+// dS K) came out at 2.3x jax.nn's tf32 error on short documents (a row's P a few large values;
+// H200, tests/test_sharding.py's segment-id case: 0.0037 -> 0.0021 against a bound of 0.0035).
+// The inference forward keeps P rounded: its O is no more accurate with it whole (V's rounding
+// sets that), and the extra MMA cost it 16-24% (H200, D = 64 / 128).
 template <F32Mma M>
 struct PvOps<float, M> : SmemFrag<float, M> {
-  using typename SmemFrag<float, M>::AFrag;
+  static constexpr bool kWholeP = M != F32Mma::kTf32;
+  using AFrag = std::conditional_t<kWholeP, Tf32Split<4>, uint32_t[4]>;
   using typename SmemFrag<float, M>::BFrag;
 
   // The k index of P's A fragment is permuted (see p_to_a): k = t <-> key 2t,
@@ -83,7 +93,17 @@ struct PvOps<float, M> : SmemFrag<float, M> {
   // The value the product takes for a probability x (softmax_finalize): rounded to tf32, or
   // split into two parts that carry it whole.
   __device__ __forceinline__ static float as_operand(float x) {
-    return M == F32Mma::kTf32 ? __uint_as_float(to_tf32(__float_as_uint(x))) : x;
+    return kWholeP ? x : __uint_as_float(to_tf32(__float_as_uint(x)));
+  }
+
+  // O += P V; kTf32WholeP: the small part of P first (smallest first), then the big one.
+  __device__ __forceinline__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
+    if constexpr (M == F32Mma::kTf32WholeP) {
+      mma_m16n8k8_tf32(d, a.small, b);
+      mma_m16n8k8_tf32(d, a.big, b);
+    } else {
+      SmemFrag<float, M>::mma(d, a, b);
+    }
   }
 
   // k-step kk covers the 8 keys of n-fragment kk. The lane holds keys 2t and

@@ -128,11 +128,14 @@ __device__ __forceinline__ uint32_t to_tf32(uint32_t x) {
 // MMA already, so this is a float32-only choice; AttentionParams' kExactF32):
 //   kTf32    one tf32 MMA per product, operands rounded to tf32 (10-bit
 //            mantissa): JAX's default float32 matmul precision on these GPUs.
+//   kTf32WholeP  as kTf32, but the forward's P goes into P.V whole (mma.h's
+//            PvOps): the differentiated forward's (kOutputF32), whose O the
+//            backward's delta = rowsum(dO O) reads.
 //   k3xTf32  fp32-accurate products: each operand x = big + small with
 //            big = tf32(x), small = tf32(x - big), and a * b accumulated as
 //            small_a big_b + big_a small_b + big_a big_b (the dropped
 //            small_a small_b is ~2^-22 |a b|). Three MMAs per product.
-enum class F32Mma { kTf32, k3xTf32 };
+enum class F32Mma { kTf32, kTf32WholeP, k3xTf32 };
 
 // An fp32 fragment split into two tf32 fragments, x ~= big + small.
 template <int N>

@@ -441,6 +441,11 @@ int main(int argc, char** argv) {
        Mask::kRandom},
       {"f32 T50 S300 H192 lens", f32, 2, 2, 2, 50, 300, 192, kUnb, kUnb, false, Bias::kNone, Mask::kNone, true},
       {"f32 T128 S128 H128 window (3, 0)", f32, 1, 2, 2, 128, 128, 128, 3, 0},
+      // kOutputF32 at float32: the differentiated forward's P whole in P.V (kTf32WholeP).
+      {"f32 causal T77 S130 H72, f32 o", f32, 2, 2, 2, 77, 130, 72, kUnb, 0, false, Bias::kNone, Mask::kNone,
+       false, Layout::kBTNH, 0.f, true},
+      {"f32 T200 S300 H128 mask, f32 o", f32, 1, 4, 2, 200, 300, 128, kUnb, kUnb, false, Bias::kNone, Mask::kRandom,
+       false, Layout::kBTNH, 0.f, true},
       // kExactF32: fast and general variants, head dims 64 / 72 / 128 / 256
       // (and 32 / 192), odd shapes, causal, bias, mask, lengths, GQA.
       exact({"f32 causal T77 S130 H72", f32, 2, 2, 2, 77, 130, 72, kUnb, 0}),
