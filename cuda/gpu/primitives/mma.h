@@ -1,9 +1,10 @@
 // The forward's P.V product: P lives in registers (the C fragments of the
 // scores) and becomes the A operand directly; V comes from shared memory. Q.K^T
 // is a plain warp_gemm (warp_gemm.h), as are all products of the backward.
-// float32 has two ways through the tensor cores (F32Mma, ptx.h): tf32, or
-// 3xTF32 for fp32-accurate products; PvOps' AFrag / BFrag / mma are one tf32
-// fragment and one MMA, or a big/small split and three.
+// float32 has three ways through the tensor cores (F32Mma, ptx.h): tf32, tf32
+// with P whole (the differentiated forward), or 3xTF32 for fp32-accurate
+// products; PvOps' AFrag / BFrag / mma are one tf32 fragment and one MMA, a
+// big/small split of P and two, or big/small splits of both and three.
 //
 //   S  = Q K^T : A = Q tile [row][dim], B = K tile [key][dim]  (k = dim)
 //   O += P V   : A = P (registers),     B = V tile [key][dim]  (k = key)
